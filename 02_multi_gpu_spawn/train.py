@@ -1,0 +1,363 @@
+"""Lesson 02: distributed data-parallel training on one machine, started with mp.spawn.
+
+Lesson 01's program, now run by several processes ("ranks") at once. Each rank trains on its own
+slice of the data (DistributedSampler); DistributedDataParallel (DDP) averages the gradients across
+ranks after every backward pass, so all ranks take the same step and keep identical weights. With
+GPUs, each rank owns one GPU and talks over NCCL; without, the ranks share the CPU over gloo.
+
+Run it:
+    python 02_multi_gpu_spawn/train.py                          # every GPU, or 2 CPU processes
+    python 02_multi_gpu_spawn/train.py --world-size 4           # 4 CPU processes on a laptop
+    python 02_multi_gpu_spawn/train.py --backend gloo           # force the CPU even with GPUs
+    CUDA_VISIBLE_DEVICES=0,1 python 02_multi_gpu_spawn/train.py # the first two GPUs, NCCL
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup helpers
+# ---------------------------------------------------------------------------------------------
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def choose_backend(requested, world_size):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+    gpus = torch.cuda.device_count()
+    if requested == "nccl":
+        if gpus == 0 or not dist.is_nccl_available():
+            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+        if world_size > gpus:
+            fail(f"--world-size {world_size} with NCCL needs {world_size} GPUs (one per rank), "
+                 f"but {gpus} visible; use --world-size {gpus} or --backend gloo")
+        return "nccl"
+    if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
+        return "nccl"
+    if requested == "auto" and gpus > 0:
+        print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
+              "so the ranks train on the CPU with gloo")
+    return "gloo"
+
+
+def port_in_use(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
+        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def find_free_port():
+    # Port 0 asks the operating system for any free port. Two jobs started at the same moment
+    # get different ports, where a fixed default such as 29500 would make the second one fail.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def setup_process_group(rank, world_size, backend):
+    """Join the group of world_size processes; return this rank's device."""
+    if backend == "nccl":
+        # Pin this process to its own GPU before anything touches CUDA. Without it every rank
+        # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        # The ranks share the machine's cores: give each its share of threads, or they all
+        # start one thread per core and spend their time fighting over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // world_size))
+        device = torch.device("cpu")
+    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of torch.save leaves the previous file intact instead of a half-written one.
+    tmp_path = f"{path}.tmp"
+    torch.save(obj, tmp_path)
+    os.replace(tmp_path, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+class WineDataset(Dataset):
+    def __init__(self, features, labels):
+        self.features = torch.as_tensor(features, dtype=torch.float32)
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.features[index], self.labels[index]
+
+
+def load_data():
+    """The same 142 training and 36 test wines in every lesson."""
+    # Imported here rather than at the top: only the ranks load data, so the launching process
+    # skips scikit-learn's import (about a second on a laptop) before it starts them.
+    from sklearn.datasets import load_wine
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    features, labels = load_wine(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        features, labels, test_size=0.2, random_state=42, stratify=labels
+    )
+    # Fit the scaler on the training part only: the test wines must not leak into training.
+    scaler = StandardScaler().fit(x_train)
+    return (
+        WineDataset(scaler.transform(x_train), y_train),
+        WineDataset(scaler.transform(x_test), y_test),
+    )
+
+
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # DistributedSampler deals each rank a disjoint slice of a seeded permutation, the same
+    # permutation on every rank. If the data does not split evenly it repeats a few samples so
+    # that every rank runs the same number of steps (a rank with one step fewer would leave the
+    # others waiting forever in the gradient all-reduce). It shuffles, so the DataLoader doesn't.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+class WineMLP(nn.Module):
+    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
+    checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
+
+    def __init__(self, in_features=13, hidden=64, classes=3):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
+                 rank, world_size):
+        self.model = model
+        self.train_loader = train_loader
+        self.test_set = test_set
+        self.optimizer = optimizer
+        self.device = device
+        self.save_every = save_every
+        self.out_dir = out_dir
+        self.rank = rank
+        self.world_size = world_size
+        # One flag gates printing and file writes, so N ranks don't print N copies.
+        self.is_main_process = rank == 0
+
+    def train_step(self, features, labels):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(features), labels)
+        # DDP's backward also all-reduces the gradients and divides them by world_size: the
+        # average of the ranks' batch-mean gradients is the gradient of the global batch, so
+        # every rank takes the step one process with world_size times the batch would take.
+        loss.backward()
+        self.optimizer.step()
+        return loss.detach()
+
+    def train_epoch(self, epoch):
+        self.model.train()
+        # Reseed the sampler's shuffle, or every epoch deals the same samples in the same order.
+        self.train_loader.sampler.set_epoch(epoch)
+        totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
+        for features, labels in self.train_loader:
+            features, labels = features.to(self.device), labels.to(self.device)
+            # The loss is a mean over the batch; weight it by the batch size so the epoch's
+            # mean is over samples, even when the last batch is smaller.
+            totals[0] += self.train_step(features, labels) * len(labels)
+            totals[1] += len(labels)
+        # Each rank only saw its own slice. Sum the slices' totals over all ranks, so the loss
+        # that rank 0 reports is the mean over every sample, not over rank 0's share.
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        return (totals[0] / totals[1]).item()
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Count correct predictions over the whole test set, each wine exactly once."""
+        self.model.eval()
+        # DistributedSampler would pad the 36 test wines to a multiple of world_size with
+        # repeats, and the repeats would be counted twice. A plain stride gives every wine to
+        # exactly one rank, some ranks get one fewer, and evaluation needs no lockstep.
+        features = self.test_set.features[self.rank::self.world_size].to(self.device)
+        labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
+        # The wrapped model (.module): evaluation needs none of DDP's synchronisation.
+        predictions = self.model.module(features).argmax(dim=1)
+        counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return int(counts[0]), int(counts[1])
+
+    def save_checkpoint(self, epoch):
+        # .module is the plain model inside DDP: its keys have no "module." prefix, so the file
+        # loads into lesson 01's model. Every rank holds the same weights; one copy is enough.
+        checkpoint = {"model": self.model.module.state_dict(), "epochs_completed": epoch + 1}
+        save_atomically(checkpoint, os.path.join(self.out_dir, "checkpoint.pt"))
+
+    def train(self, max_epochs):
+        losses = []
+        for epoch in range(max_epochs):
+            start = time.perf_counter()
+            loss = self.train_epoch(epoch)
+            losses.append(loss)
+            if self.is_main_process:
+                print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
+                      f"| {time.perf_counter() - start:.3f} s", flush=True)
+            if self.is_main_process and (epoch + 1) % self.save_every == 0:
+                self.save_checkpoint(epoch)
+        return losses
+
+
+# ---------------------------------------------------------------------------------------------
+# main: runs once in every rank
+# ---------------------------------------------------------------------------------------------
+def main(rank, args):
+    world_size = args.world_size
+    device = setup_process_group(rank, world_size, args.backend)
+    try:
+        train_set, test_set = load_data()
+        train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, world_size)
+
+        # Seed before building the model so the initial weights are the same on every rank.
+        # (DDP also copies rank 0's weights to the others when it wraps the model.)
+        torch.manual_seed(args.seed)
+        model = WineMLP().to(device)
+        # device_ids tells DDP which single GPU this rank's model lives on; on the CPU it is
+        # left out.
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
+                          args.out_dir, rank, world_size)
+
+        if trainer.is_main_process:
+            print(f"training on {world_size} x {device.type} ({args.backend}): "
+                  f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
+                  f"per rank ({args.batch_size * world_size} in all)", flush=True)
+        train_start = time.perf_counter()
+        losses = trainer.train(args.epochs)
+        train_seconds = time.perf_counter() - train_start
+        correct, total = trainer.evaluate()
+
+        if trainer.is_main_process:
+            torch.save(model.module.state_dict(), os.path.join(args.out_dir, "final.pt"))
+            metrics = {
+                "lesson": "02_multi_gpu_spawn",
+                "world_size": world_size,
+                "backend": args.backend,
+                "device": device.type,
+                "epochs": args.epochs,
+                "batch_size": args.batch_size,
+                "lr": args.lr,
+                "seed": args.seed,
+                "threads_per_rank": torch.get_num_threads(),
+                "train_loss": losses,
+                "test_correct": correct,
+                "test_total": total,
+                "test_accuracy": correct / total,
+                "train_seconds": train_seconds,
+                "wall_seconds": time.time() - args.start_time,
+            }
+            with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
+                json.dump(metrics, f, indent=2)
+            print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+                  f"| results in {args.out_dir}", flush=True)
+    finally:
+        # Leave the group also when training fails, so the process exits cleanly.
+        dist.destroy_process_group()
+
+
+def launch(args):
+    """Check the request, pick backend and port, then start one process per rank."""
+    args.start_time = time.time()
+    args.backend = choose_backend(args.backend, args.world_size)
+    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
+    # loopback address; a port set in the environment wins, else any free one.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" in os.environ:
+        port = os.environ["MASTER_PORT"]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
+        if port_in_use(int(port)):
+            fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
+                 "(export MASTER_PORT=29501) or unset it to use a free port")
+    else:
+        os.environ["MASTER_PORT"] = str(find_free_port())
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    try:
+        # spawn starts world_size fresh Python processes and calls main(rank, args) in each,
+        # with rank = 0 .. world_size - 1. If one raises, spawn stops the others and re-raises.
+        mp.spawn(main, args=(args,), nprocs=args.world_size)
+    except mp.ProcessRaisedException as error:
+        print(error, file=sys.stderr)
+        fail(f"rank {error.error_index} failed (its traceback is above); the other ranks "
+             "were stopped")
+    except mp.ProcessExitedException as error:
+        fail(f"rank {error.error_index} died with exit code {error.exit_code} (killed, or out "
+             "of memory?); the other ranks were stopped")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Lesson 02: train the wine MLP with DDP on one machine (mp.spawn).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step, per rank")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
+    parser.add_argument("--save-every", type=int, default=10,
+                        help="write checkpoint.pt every N epochs")
+    parser.add_argument("--out-dir", default="runs/02_multi_gpu_spawn",
+                        help="folder for checkpoint.pt, final.pt and metrics.json")
+    parser.add_argument("--world-size", type=int,
+                        default=torch.cuda.device_count() or 2,
+                        help="number of processes (default: one per GPU, or 2 on the CPU)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                        help="auto: NCCL when every rank has its own GPU, else gloo")
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "save_every", "world_size"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.lr <= 0:
+        fail(f"--lr must be positive (got {args.lr})")
+    return args
+
+
+if __name__ == "__main__":
+    launch(parse_args())

@@ -1,0 +1,100 @@
+"""What the tests share: running a lesson the way a learner does and reading what it wrote."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = ["01_single_gpu", "02_multi_gpu_spawn"]
+GPUS = torch.cuda.device_count()
+
+
+def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None):
+    """Run `python <lesson>/train.py args...` as a subprocess and return the finished process.
+
+    With patch, the lesson runs under tests/patched_lesson.py with that patch applied."""
+    script = str(ROOT / lesson / "train.py")
+    command = [sys.executable, script, *map(str, args)]
+    if patch:
+        command = [sys.executable, str(ROOT / "tests" / "patched_lesson.py"), script, patch,
+                   *map(str, args)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run(command, cwd=cwd or ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def check_ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def read_metrics(out_dir):
+    with open(Path(out_dir) / "metrics.json") as f:
+        return json.load(f)
+
+
+def load_weights(out_dir, name="final.pt"):
+    return torch.load(Path(out_dir) / name, map_location="cpu", weights_only=True)
+
+
+def import_lesson(lesson):
+    """Import a lesson's train.py as a module (tests may share; lessons may not)."""
+    spec = importlib.util.spec_from_file_location(f"lesson_{lesson}", ROOT / lesson / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def evaluate_single_process(out_dir):
+    """Lesson 01's model and test set, one process: the reference for any lesson's final.pt."""
+    lesson01 = import_lesson("01_single_gpu")
+    model = lesson01.WineMLP()
+    model.load_state_dict(load_weights(out_dir))
+    _, test_set = lesson01.load_data()
+    with torch.no_grad():
+        predictions = model(test_set.features).argmax(dim=1)
+    return int((predictions == test_set.labels).sum()), len(test_set)
+
+
+def max_weight_difference(out_dir_a, out_dir_b):
+    a, b = load_weights(out_dir_a), load_weights(out_dir_b)
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def assert_one_line_error(result, *fragments):
+    """Bad input: non-zero exit, no traceback, one line starting 'error:' that names the fix."""
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def assert_good_run(result, out_dir, world_size, min_accuracy=0.9):
+    """What every lesson's run must show: exit 0, files, one summary, falling loss, accuracy."""
+    check_ok(result)
+    out_dir = Path(out_dir)
+    for name in ("metrics.json", "final.pt"):
+        assert (out_dir / name).is_file(), f"{name} missing in {out_dir}"
+    metrics = read_metrics(out_dir)
+    assert metrics["world_size"] == world_size
+    losses = metrics["train_loss"]
+    assert len(losses) == metrics["epochs"]
+    assert losses[-1] < losses[0], losses
+    assert metrics["test_total"] == 36
+    assert metrics["test_accuracy"] == metrics["test_correct"] / metrics["test_total"]
+    assert metrics["test_accuracy"] >= min_accuracy, metrics
+    # Rank 0 alone prints: one summary line and one line per epoch, however many ranks ran.
+    assert result.stdout.count("test accuracy:") == 1, result.stdout
+    assert result.stdout.count(f"epoch   1/{metrics['epochs']}") == 1, result.stdout
+    # final.pt is the plain model's state_dict: lesson 01's keys, no "module." prefix.
+    assert list(load_weights(out_dir)) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    return metrics

@@ -1,0 +1,64 @@
+"""Lesson 01, run as a learner runs it: python 01_single_gpu/train.py."""
+
+import pytest
+import torch
+
+from helpers import (
+    GPUS,
+    assert_good_run,
+    assert_one_line_error,
+    evaluate_single_process,
+    run_lesson,
+)
+
+LESSON = "01_single_gpu"
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    # No arguments at all, from a fresh folder: the defaults must work and write to runs/.
+    cwd = tmp_path_factory.mktemp("lesson01_default")
+    return run_lesson(LESSON, cwd=cwd), cwd / "runs" / LESSON
+
+
+def test_default_run_learns_the_wine_data(default_run):
+    result, out_dir = default_run
+    metrics = assert_good_run(result, out_dir, world_size=1, min_accuracy=0.95)
+    assert metrics["device"] == ("cuda" if GPUS else "cpu")
+    assert metrics["epochs"] == 20 and metrics["batch_size"] == 32
+
+
+def test_final_weights_give_the_reported_accuracy(default_run):
+    _, out_dir = default_run
+    from helpers import read_metrics
+
+    metrics = read_metrics(out_dir)
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], metrics["test_total"])
+
+
+def test_checkpoint_is_written_every_save_every_epochs(lesson_run):
+    result, out_dir = lesson_run(LESSON, "--epochs", 5, "--save-every", 2)
+    assert result.returncode == 0, result.stderr
+    checkpoint = torch.load(out_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert checkpoint["epochs_completed"] == 4  # saved after epochs 2 and 4, not after 5
+    assert checkpoint["model"].keys() == torch.load(out_dir / "final.pt", weights_only=True).keys()
+    assert not list(out_dir.glob("*.tmp")), "a temporary file was left behind"
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--epochs", "-1"], "--epochs must be at least 1"),
+        (["--lr", "0"], "--lr must be positive"),
+        (["--device", "banana"], "use auto, cpu, cuda or cuda:N"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(args, fragment, tmp_path):
+    assert_one_line_error(run_lesson(LESSON, *args, "--out-dir", tmp_path), fragment)
+
+
+@pytest.mark.skipif(GPUS > 0, reason="this machine has a GPU, so --device cuda is valid here")
+def test_cuda_without_a_gpu_is_refused(tmp_path):
+    result = run_lesson(LESSON, "--device", "cuda", "--out-dir", tmp_path)
+    assert_one_line_error(result, "none is visible", "--device cpu")

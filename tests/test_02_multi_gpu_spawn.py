@@ -1,0 +1,192 @@
+"""Lesson 02, run as a learner runs it: python 02_multi_gpu_spawn/train.py (mp.spawn, gloo/CPU).
+
+The GPU tier (NCCL) is in test_gpu.py."""
+
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
+
+from helpers import (
+    GPUS,
+    ROOT,
+    assert_good_run,
+    assert_one_line_error,
+    evaluate_single_process,
+    import_lesson,
+    max_weight_difference,
+    read_metrics,
+    run_lesson,
+)
+
+LESSON = "02_multi_gpu_spawn"
+CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    # No arguments at all, from a fresh folder, exactly as the README's quick start runs it.
+    cwd = tmp_path_factory.mktemp("lesson02_default")
+    return run_lesson(LESSON, cwd=cwd), cwd / "runs" / LESSON
+
+
+@pytest.mark.skipif(GPUS > 0, reason="with GPUs the default run is NCCL; test_gpu.py checks it")
+def test_default_run_is_two_cpu_ranks_and_learns(default_run):
+    result, out_dir = default_run
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("gloo", "cpu")
+    # Each rank gets its share of the cores, not all of them.
+    assert metrics["threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_world_sizes_train_to_the_same_quality(lesson_run, world_size):
+    # 3 ranks on a 2-core machine: more ranks than cores must still be correct.
+    result, out_dir = lesson_run(LESSON, *CPU, "--world-size", world_size)
+    metrics = assert_good_run(result, out_dir, world_size=world_size)
+    assert metrics["threads_per_rank"] >= 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 5, 8])
+def test_evaluation_counts_each_test_wine_exactly_once(lesson_run, world_size):
+    # 36 test wines over 5 or 8 ranks do not split evenly; DistributedSampler would pad them.
+    epochs = 20 if world_size <= 3 else 2
+    result, out_dir = lesson_run(LESSON, *CPU, "--world-size", world_size, "--epochs", epochs)
+    assert result.returncode == 0, result.stderr
+    metrics = read_metrics(out_dir)
+    assert metrics["test_total"] == 36
+    # The distributed count equals one process evaluating the same weights.
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def test_ddp_with_two_ranks_equals_one_process_with_twice_the_batch(lesson_run):
+    _, one = lesson_run(LESSON, *CPU, "--world-size", 1, "--batch-size", 32)
+    _, two = lesson_run(LESSON, *CPU, "--world-size", 2, "--batch-size", 16)
+    assert read_metrics(two)["test_total"] == 36
+    assert max_weight_difference(one, two) < 1e-5
+
+
+def test_control_without_gradient_averaging_gives_other_weights(lesson_run):
+    # Same run with DDP swapped for a wrapper that does not all-reduce gradients: each rank
+    # trains alone on half the data, and the comparison above must fail.
+    _, one = lesson_run(LESSON, *CPU, "--world-size", 1, "--batch-size", 32)
+    result, alone = lesson_run(LESSON, *CPU, "--world-size", 2, "--batch-size", 16,
+                               patch="no-ddp")
+    assert result.returncode == 0, result.stderr
+    assert max_weight_difference(one, alone) > 1e-2
+
+
+def test_sampler_deals_disjoint_slices_that_cover_the_data():
+    lesson = import_lesson(LESSON)
+    train_set, _ = lesson.load_data()
+    n = len(train_set)
+    for world_size in (1, 2, 3, 5):
+        samplers = [lesson.prepare_dataloader(train_set, 16, 0, rank, world_size).sampler
+                    for rank in range(world_size)]
+        for epoch in (0, 1):
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            shards = [list(sampler) for sampler in samplers]
+            dealt = [i for shard in shards for i in shard]
+            assert set(dealt) == set(range(n))  # every sample is dealt
+            assert len({len(shard) for shard in shards}) == 1  # the same count on every rank
+            # Repeats only to pad the data to a multiple of world_size; none when it divides.
+            assert len(dealt) - n == world_size * math.ceil(n / world_size) - n
+
+
+def test_set_epoch_changes_the_order():
+    lesson = import_lesson(LESSON)
+    train_set, _ = lesson.load_data()
+    sampler = lesson.prepare_dataloader(train_set, 16, 0, 0, 2).sampler
+    orders = []
+    for epoch in (0, 1, 0):
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    assert orders[0] != orders[1]  # a new order each epoch
+    assert orders[0] == orders[2]  # and a reproducible one
+
+
+def test_trainer_calls_set_epoch_every_epoch(tmp_path):
+    # In-process with a group of one rank: the Trainer must reseed the sampler each epoch.
+    lesson = import_lesson(LESSON)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        train_set, test_set = lesson.load_data()
+        loader = lesson.prepare_dataloader(train_set, 32, 0, 0, 1)
+        calls = []
+        loader.sampler.set_epoch = lambda epoch: (
+            calls.append(epoch), DistributedSampler.set_epoch(loader.sampler, epoch))
+        model = lesson.DDP(lesson.WineMLP())
+        optimizer = torch.optim.Adam(model.parameters())
+        trainer = lesson.Trainer(model, loader, test_set, optimizer, torch.device("cpu"),
+                                 100, str(tmp_path), 0, 1)
+        for epoch in range(3):
+            trainer.train_epoch(epoch)
+        assert calls == [0, 1, 2]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_master_port_from_the_environment_wins(lesson_run):
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    result, out_dir = lesson_run(LESSON, *CPU, "--epochs", 2, env={"MASTER_PORT": str(port)})
+    assert result.returncode == 0, result.stderr
+    assert f"rank 0 listens on 127.0.0.1:{port}" in result.stdout
+
+
+def test_master_port_in_use_gets_one_clear_line(tmp_path):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        result = run_lesson(LESSON, *CPU, "--out-dir", tmp_path, env={"MASTER_PORT": str(port)})
+    assert_one_line_error(result, f"MASTER_PORT={port} is already in use", "unset it")
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--world-size", "0"], "--world-size must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--save-every", "0"], "--save-every must be at least 1"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(args, fragment, tmp_path):
+    assert_one_line_error(run_lesson(LESSON, *args, "--out-dir", tmp_path), fragment)
+
+
+@pytest.mark.skipif(GPUS > 0, reason="this machine has GPUs, so --backend nccl is valid here")
+def test_nccl_without_gpus_is_refused(tmp_path):
+    result = run_lesson(LESSON, "--backend", "nccl", "--out-dir", tmp_path)
+    assert_one_line_error(result, "--backend nccl needs CUDA GPUs", "--backend gloo")
+
+
+def test_a_rank_that_raises_takes_the_job_down_and_is_named(lesson_run):
+    # Rank 1 raises while rank 0 waits for it in the gradient all-reduce. The job must end
+    # (no hang: the run's timeout would fail this test) and say which rank failed and why.
+    result, _ = lesson_run(LESSON, *CPU, "--world-size", 2, patch="raise-on-rank-1")
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: rank 1 failed")
+
+
+def test_two_jobs_started_at_the_same_moment_both_succeed(tmp_path):
+    script = str(ROOT / LESSON / "train.py")
+    jobs = [subprocess.Popen([sys.executable, script, *CPU, "--epochs", "2",
+                              "--out-dir", tmp_path / f"job{i}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+    outputs = [job.communicate(timeout=240) for job in jobs]
+    for job, (_, stderr) in zip(jobs, outputs, strict=True):
+        assert job.returncode == 0, stderr
+    for i in range(2):
+        assert read_metrics(tmp_path / f"job{i}")["test_total"] == 36
