@@ -243,61 +243,75 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------
-# main: runs once in every rank
+# main
 # ---------------------------------------------------------------------------------------------
 def main(rank, args):
-    world_size = args.world_size
-    device = setup_process_group(rank, world_size, args.backend)
+    start = args.start_time  # set by launch, before the ranks were started
+    device = setup_process_group(rank, args.world_size, args.backend)
+    train_set, test_set = load_data()
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
+                                      args.world_size)
+
+    # Seed before building the model so the initial weights are the same on every rank.
+    # (DDP also copies rank 0's weights to the others when it wraps the model.)
+    torch.manual_seed(args.seed)
+    model = WineMLP().to(device)
+    # device_ids names the one GPU this rank's model lives on; on the CPU it is left out.
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
+                      args.out_dir, rank, args.world_size)
+
+    if trainer.is_main_process:
+        print(f"training on {args.world_size} x {device.type} ({args.backend}): "
+              f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
+              f"per rank ({args.batch_size * args.world_size} in all)", flush=True)
+    train_start = time.perf_counter()
+    losses = trainer.train(args.epochs)
+    train_seconds = time.perf_counter() - train_start
+    correct, total = trainer.evaluate()
+    if not trainer.is_main_process:
+        return  # every rank holds the same results; rank 0 alone writes them
+
+    torch.save(model.module.state_dict(), os.path.join(args.out_dir, "final.pt"))
+    metrics = {
+        "lesson": "02_multi_gpu_spawn",
+        "world_size": args.world_size,
+        "backend": args.backend,
+        "device": device.type,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads_per_rank": torch.get_num_threads(),
+        "train_loss": losses,
+        "test_correct": correct,
+        "test_total": total,
+        "test_accuracy": correct / total,
+        "train_seconds": train_seconds,
+        "wall_seconds": time.time() - start,
+    }
+    with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+def worker(rank, args):
+    """What mp.spawn runs in each new process: main, then leave the process group."""
     try:
-        train_set, test_set = load_data()
-        train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, world_size)
-
-        # Seed before building the model so the initial weights are the same on every rank.
-        # (DDP also copies rank 0's weights to the others when it wraps the model.)
-        torch.manual_seed(args.seed)
-        model = WineMLP().to(device)
-        # device_ids tells DDP which single GPU this rank's model lives on; on the CPU it is
-        # left out.
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-        trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                          args.out_dir, rank, world_size)
-
-        if trainer.is_main_process:
-            print(f"training on {world_size} x {device.type} ({args.backend}): "
-                  f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
-                  f"per rank ({args.batch_size * world_size} in all)", flush=True)
-        train_start = time.perf_counter()
-        losses = trainer.train(args.epochs)
-        train_seconds = time.perf_counter() - train_start
-        correct, total = trainer.evaluate()
-
-        if trainer.is_main_process:
-            torch.save(model.module.state_dict(), os.path.join(args.out_dir, "final.pt"))
-            metrics = {
-                "lesson": "02_multi_gpu_spawn",
-                "world_size": world_size,
-                "backend": args.backend,
-                "device": device.type,
-                "epochs": args.epochs,
-                "batch_size": args.batch_size,
-                "lr": args.lr,
-                "seed": args.seed,
-                "threads_per_rank": torch.get_num_threads(),
-                "train_loss": losses,
-                "test_correct": correct,
-                "test_total": total,
-                "test_accuracy": correct / total,
-                "train_seconds": train_seconds,
-                "wall_seconds": time.time() - args.start_time,
-            }
-            with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-                json.dump(metrics, f, indent=2)
-            print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-                  f"| results in {args.out_dir}", flush=True)
+        main(rank, args)
     finally:
-        # Leave the group also when training fails, so the process exits cleanly.
-        dist.destroy_process_group()
+        # Also when training fails, so this rank does not leave its peers hanging.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
+    # tearing them down while Python exits can abort a rank that has finished ("terminate
+    # called without an active exception"), failing a job whose results are written. Nothing
+    # is left to do: flush the output and leave at once, skipping that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(args):
@@ -320,9 +334,9 @@ def launch(args):
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
     try:
-        # spawn starts world_size fresh Python processes and calls main(rank, args) in each,
+        # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
         # with rank = 0 .. world_size - 1. If one raises, spawn stops the others and re-raises.
-        mp.spawn(main, args=(args,), nprocs=args.world_size)
+        mp.spawn(worker, args=(args,), nprocs=args.world_size)
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
         fail(f"rank {error.error_index} failed (its traceback is above); the other ranks "

@@ -1,0 +1,62 @@
+"""Guards for the repository as a whole: current diffs, lint, and lessons that stand alone."""
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+LESSON_SCRIPTS = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
+# What a lesson may import: the standard library and the packages in requirements.txt.
+ALLOWED_TOP_LEVEL = set(sys.stdlib_module_names) | {"torch", "torchvision", "sklearn", "numpy"}
+
+
+def make_diffs(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "make_diffs.py"), *args],
+                          capture_output=True, text=True)
+
+
+def test_generated_diffs_are_current():
+    result = make_diffs("--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_diff_check_fails_when_a_lesson_changes_alone(tmp_path):
+    # The guard must bite: a fix made in lesson 01 and not regenerated is reported as stale.
+    for lesson in ("01_single_gpu", "02_multi_gpu_spawn"):
+        shutil.copytree(ROOT / lesson, tmp_path / lesson)
+    with open(tmp_path / "01_single_gpu" / "train.py", "a") as f:
+        f.write("# a fix made here and nowhere else\n")
+    result = make_diffs("--check", "--root", str(tmp_path))
+    assert result.returncode == 1
+    assert "stale: 02_multi_gpu_spawn/from_01_single_gpu.diff" in result.stdout
+
+
+def test_every_lesson_after_the_first_has_a_diff():
+    lessons = sorted(p.parent for p in ROOT.glob("[0-9][0-9]_*/train.py"))
+    for lesson in lessons[1:]:
+        assert list(lesson.glob("from_*.diff")), f"{lesson.name} has no generated diff"
+
+
+def test_lint():
+    ruff = shutil.which("ruff") or pytest.skip("ruff is not installed")
+    result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.parametrize("script", LESSON_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_lessons_stand_alone(script: Path):
+    # A learner can copy one lesson folder and run it: no imports from another lesson, tests/
+    # or a shared module, only the standard library and the packages in requirements.txt.
+    tree = ast.parse(script.read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative, f"{script.name} uses a relative import"
+    assert imported <= ALLOWED_TOP_LEVEL, f"unexpected imports: {imported - ALLOWED_TOP_LEVEL}"
