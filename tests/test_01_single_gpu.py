@@ -8,6 +8,7 @@ from helpers import (
     assert_good_run,
     assert_one_line_error,
     evaluate_single_process,
+    read_metrics,
     run_lesson,
 )
 
@@ -30,8 +31,6 @@ def test_default_run_learns_the_wine_data(default_run):
 
 def test_final_weights_give_the_reported_accuracy(default_run):
     _, out_dir = default_run
-    from helpers import read_metrics
-
     metrics = read_metrics(out_dir)
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], metrics["test_total"])
 
