@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS = ["01_single_gpu", "02_multi_gpu_spawn"]
 GPUS = torch.cuda.device_count()
 
 
