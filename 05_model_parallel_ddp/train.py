@@ -1,0 +1,446 @@
+"""Lesson 05: DDP over a model split across two devices per process (model parallelism).
+
+Lesson 02's program, with each rank's model cut in two: the first layer (fc1 and its ReLU) lives
+on one device, the second (fc2) on another, and forward moves the activations from one to the
+other. DDP still averages the gradients across ranks; it just wraps a module that spans two
+devices. With 2k GPUs, k ranks each own two GPUs (rank r: GPUs 2r and 2r+1) and talk over NCCL.
+With one GPU, one rank puts both stages on it. Without GPUs, both stages of every rank sit on the
+CPU and the ranks talk over gloo: the same code runs, the split just moves nothing.
+
+Run it:
+    python 05_model_parallel_ddp/train.py                          # GPU pairs, or 2 CPU ranks
+    python 05_model_parallel_ddp/train.py --backend gloo           # force the CPU even with GPUs
+    CUDA_VISIBLE_DEVICES=0 python 05_model_parallel_ddp/train.py   # one GPU holds both stages
+    CUDA_VISIBLE_DEVICES=0,1 python 05_model_parallel_ddp/train.py # one rank over GPUs 0 and 1
+    torchrun --standalone --nproc-per-node 2 05_model_parallel_ddp/train.py  # torchrun starts
+                                                                   # the ranks, not mp.spawn
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup helpers
+# ---------------------------------------------------------------------------------------------
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def plan_devices(gpu_count, requested_world_size=None):
+    """Decide how many ranks run and where each rank's two stages live, from the GPU count alone.
+
+    Returns (world_size, [(dev0, dev1) for each rank], note); note is "" when there is nothing to
+    say. Raises ValueError, with the fix in its message, when the request cannot be met. It looks
+    at no hardware, so the plan for 8 GPUs can be checked on a laptop."""
+    if gpu_count == 0:
+        world_size = requested_world_size or 2
+        return world_size, [("cpu", "cpu")] * world_size, ""
+    if gpu_count == 1:
+        if requested_world_size not in (None, 1):
+            raise ValueError(f"--world-size {requested_world_size} needs "
+                             f"{2 * requested_world_size} GPUs (2 per rank), but 1 is visible; "
+                             "use --world-size 1 or --backend gloo")
+        return 1, [("cuda:0", "cuda:0")], ("note: one GPU, so both stages of the model share "
+                                           "cuda:0 and the split moves nothing")
+    # Each rank needs a pair: with an odd count the last GPU has no partner and stays idle.
+    pairs = gpu_count // 2
+    note = ""
+    if gpu_count % 2:
+        note = (f"note: {gpu_count} GPUs but each rank needs 2, so GPUs 0-{2 * pairs - 1} are "
+                f"used and cuda:{gpu_count - 1} stays idle")
+    world_size = requested_world_size or pairs
+    if world_size > pairs:
+        raise ValueError(f"--world-size {world_size} needs {2 * world_size} GPUs (2 per rank), "
+                         f"but {gpu_count} are visible; use --world-size {pairs} or "
+                         "--backend gloo")
+    devices = [(f"cuda:{2 * rank}", f"cuda:{2 * rank + 1}") for rank in range(world_size)]
+    return world_size, devices, note
+
+
+def choose_backend(requested, world_size):
+    """NCCL when the ranks have GPUs, else gloo on the CPU; and the plan of devices."""
+    gpus = torch.cuda.device_count()
+    if requested == "nccl" and (gpus == 0 or not dist.is_nccl_available()):
+        fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+    if requested == "gloo" or not dist.is_nccl_available():
+        gpus = 0  # gloo keeps both stages of every rank on the CPU
+    try:
+        world_size, devices, note = plan_devices(gpus, world_size)
+    except ValueError as error:
+        fail(error)
+    return ("nccl" if gpus else "gloo"), world_size, devices, note
+
+
+def port_in_use(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
+        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def find_free_port():
+    # Port 0 asks the operating system for any free port. Two jobs started at the same moment
+    # get different ports, where a fixed default such as 29500 would make the second one fail.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def setup_process_group(rank, world_size, backend, dev0):
+    """Join the group of world_size processes; return this rank's first device."""
+    device = torch.device(dev0)
+    if backend == "nccl":
+        # Pin this process to its first GPU before anything touches CUDA. Without it every rank
+        # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
+        # NCCL's collectives (the gradient all-reduce included) then run on this GPU.
+        torch.cuda.set_device(device)
+    else:
+        # The ranks share the machine's cores: give each its share of threads, or they all
+        # start one thread per core and spend their time fighting over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // world_size))
+    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def cpu_state_dict(model):
+    # The stages' weights sit on two devices. Saved as CPU tensors, the file loads anywhere,
+    # also on a machine that lacks those GPUs, without a map_location.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of torch.save leaves the previous file intact instead of a half-written one.
+    tmp_path = f"{path}.tmp"
+    torch.save(obj, tmp_path)
+    os.replace(tmp_path, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+class WineDataset(Dataset):
+    def __init__(self, features, labels):
+        self.features = torch.as_tensor(features, dtype=torch.float32)
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.features[index], self.labels[index]
+
+
+def load_data():
+    """The same 142 training and 36 test wines in every lesson."""
+    # Imported here rather than at the top: only the ranks load data, so the launching process
+    # skips scikit-learn's import (about a second on a laptop) before it starts them.
+    from sklearn.datasets import load_wine
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    features, labels = load_wine(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        features, labels, test_size=0.2, random_state=42, stratify=labels
+    )
+    # Fit the scaler on the training part only: the test wines must not leak into training.
+    scaler = StandardScaler().fit(x_train)
+    return (
+        WineDataset(scaler.transform(x_train), y_train),
+        WineDataset(scaler.transform(x_test), y_test),
+    )
+
+
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # DistributedSampler deals each rank a disjoint slice of a seeded permutation, the same
+    # permutation on every rank. If the data does not split evenly it repeats a few samples so
+    # that every rank runs the same number of steps (a rank with one step fewer would leave the
+    # others waiting forever in the gradient all-reduce). It shuffles, so the DataLoader doesn't.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+class WineMLP(nn.Module):
+    """13 measurements -> 64 hidden units -> 3 cultivars, in two stages: fc1 and its ReLU on
+    dev0, fc2 on dev1. The names fc1 and fc2 are the checkpoint keys of every lesson, so any
+    lesson's final.pt loads into this class, and this lesson's into lesson 01's."""
+
+    def __init__(self, dev0="cpu", dev1="cpu", in_features=13, hidden=64, classes=3):
+        super().__init__()
+        self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
+        # Both layers are created on the CPU first, in lesson 02's order, so the same seed gives
+        # the same initial weights wherever they are then placed.
+        self.fc1 = nn.Linear(in_features, hidden).to(self.dev0)
+        self.fc2 = nn.Linear(hidden, classes).to(self.dev1)
+
+    def forward(self, x):
+        hidden = F.relu(self.fc1(x.to(self.dev0)))
+        # The one cost of the split: stage 1's activations are copied to stage 2's device here,
+        # and in backward their gradient is copied back. Meanwhile the other device waits.
+        return self.fc2(hidden.to(self.dev1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
+                 rank, world_size):
+        self.model = model
+        self.train_loader = train_loader
+        self.test_set = test_set
+        self.optimizer = optimizer
+        self.device = device
+        self.save_every = save_every
+        self.out_dir = out_dir
+        self.rank = rank
+        self.world_size = world_size
+        # One flag gates printing and file writes, so N ranks don't print N copies.
+        self.is_main_process = rank == 0
+
+    def train_step(self, features, labels):
+        self.optimizer.zero_grad(set_to_none=True)
+        output = self.model(features)
+        # The output comes off the second stage's device; the labels must be on it too.
+        loss = F.cross_entropy(output, labels.to(output.device))
+        # DDP's backward also all-reduces the gradients and divides them by world_size: the
+        # average of the ranks' batch-mean gradients is the gradient of the global batch, so
+        # every rank takes the step one process with world_size times the batch would take.
+        loss.backward()
+        self.optimizer.step()
+        # The running totals live on the first device, where NCCL's all-reduce expects them.
+        return loss.detach().to(self.device)
+
+    def train_epoch(self, epoch):
+        self.model.train()
+        # Reseed the sampler's shuffle, or every epoch deals the same samples in the same order.
+        self.train_loader.sampler.set_epoch(epoch)
+        totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
+        for features, labels in self.train_loader:
+            features, labels = features.to(self.device), labels.to(self.device)
+            # The loss is a mean over the batch; weight it by the batch size so the epoch's
+            # mean is over samples, even when the last batch is smaller.
+            totals[0] += self.train_step(features, labels) * len(labels)
+            totals[1] += len(labels)
+        # Each rank only saw its own slice. Sum the slices' totals over all ranks, so the loss
+        # that rank 0 reports is the mean over every sample, not over rank 0's share.
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        return (totals[0] / totals[1]).item()
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Count correct predictions over the whole test set, each wine exactly once."""
+        self.model.eval()
+        # DistributedSampler would pad the 36 test wines to a multiple of world_size with
+        # repeats, and the repeats would be counted twice. A plain stride gives every wine to
+        # exactly one rank, some ranks get one fewer, and evaluation needs no lockstep.
+        features = self.test_set.features[self.rank::self.world_size].to(self.device)
+        labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
+        # The wrapped model (.module): evaluation needs none of DDP's synchronisation.
+        predictions = self.model.module(features).argmax(dim=1)
+        correct = (predictions == labels.to(predictions.device)).sum().item()
+        counts = torch.tensor([correct, len(labels)], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return int(counts[0]), int(counts[1])
+
+    def save_checkpoint(self, epoch):
+        # .module is the plain model inside DDP: its keys have no "module." prefix, so the file
+        # loads into lesson 01's model. Every rank holds the same weights; one copy is enough.
+        checkpoint = {"model": cpu_state_dict(self.model.module), "epochs_completed": epoch + 1}
+        save_atomically(checkpoint, os.path.join(self.out_dir, "checkpoint.pt"))
+
+    def train(self, max_epochs):
+        losses = []
+        for epoch in range(max_epochs):
+            start = time.perf_counter()
+            loss = self.train_epoch(epoch)
+            losses.append(loss)
+            if self.is_main_process:
+                print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
+                      f"| {time.perf_counter() - start:.3f} s", flush=True)
+            if self.is_main_process and (epoch + 1) % self.save_every == 0:
+                self.save_checkpoint(epoch)
+        return losses
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def main(rank, args):
+    start = args.start_time  # set by launch, before the ranks were started
+    # Under torchrun the GPUs are planned per machine, so a rank's pair is found by its local
+    # rank; under mp.spawn on one machine the two are the same.
+    dev0, dev1 = args.devices[int(os.environ.get("LOCAL_RANK", rank))]
+    device = setup_process_group(rank, args.world_size, args.backend, dev0)
+    train_set, test_set = load_data()
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
+                                      args.world_size)
+
+    # Seed before building the model so the initial weights are the same on every rank.
+    # (DDP also copies rank 0's weights to the others when it wraps the model.)
+    torch.manual_seed(args.seed)
+    model = WineMLP(dev0, dev1)
+    # device_ids and output_device stay unset (None). They tell DDP the one device a module
+    # lives on, so that DDP moves the inputs there and the output to output_device. This module
+    # spans two devices and moves its own tensors, so DDP requires device_ids=None and then
+    # leaves inputs and outputs where the module puts them.
+    model = DDP(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
+                      args.out_dir, rank, args.world_size)
+
+    if trainer.is_main_process:
+        print(f"training on {args.world_size} x (fc1 on {dev0}, fc2 on {dev1}) ({args.backend}): "
+              f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
+              f"per rank ({args.batch_size * args.world_size} in all)", flush=True)
+    train_start = time.perf_counter()
+    losses = trainer.train(args.epochs)
+    train_seconds = time.perf_counter() - train_start
+    correct, total = trainer.evaluate()
+    if not trainer.is_main_process:
+        return  # every rank holds the same results; rank 0 alone writes them
+
+    torch.save(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
+    metrics = {
+        "lesson": "05_model_parallel_ddp",
+        "world_size": args.world_size,
+        "backend": args.backend,
+        "device": device.type,
+        "stage_devices": [dev0, dev1],  # rank 0's
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads_per_rank": torch.get_num_threads(),
+        "train_loss": losses,
+        "test_correct": correct,
+        "test_total": total,
+        "test_accuracy": correct / total,
+        "train_seconds": train_seconds,
+        "wall_seconds": time.time() - start,
+    }
+    with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+def worker(rank, args):
+    """What mp.spawn runs in each new process: main, then leave the process group."""
+    try:
+        main(rank, args)
+    finally:
+        # Also when training fails, so this rank does not leave its peers hanging.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
+    # tearing them down while Python exits can abort a rank that has finished ("terminate
+    # called without an active exception"), failing a job whose results are written. Nothing
+    # is left to do: flush the output and leave at once, skipping that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def launch(args):
+    """Check the request, plan the devices, pick backend and port, then start one process per
+    rank; or, under torchrun, which has started them already, be one rank."""
+    args.start_time = time.time()
+    if "LOCAL_RANK" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # torchrun set these, and MASTER_ADDR and MASTER_PORT: this process is a rank. The GPUs
+        # are planned for the ranks on this machine; the group spans all of them.
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        args.backend, _, args.devices, note = choose_backend(args.backend, local_world_size)
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        if note and os.environ["RANK"] == "0":
+            print(note, flush=True)
+        os.makedirs(args.out_dir, exist_ok=True)
+        worker(int(os.environ["RANK"]), args)
+    args.backend, args.world_size, args.devices, note = choose_backend(args.backend,
+                                                                       args.world_size)
+    if note:
+        print(note, flush=True)
+    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
+    # loopback address; a port set in the environment wins, else any free one.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" in os.environ:
+        port = os.environ["MASTER_PORT"]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
+        if port_in_use(int(port)):
+            fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
+                 "(export MASTER_PORT=29501) or unset it to use a free port")
+    else:
+        os.environ["MASTER_PORT"] = str(find_free_port())
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    try:
+        # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
+        # with rank = 0 .. world_size - 1. If one raises, spawn stops the others and re-raises.
+        mp.spawn(worker, args=(args,), nprocs=args.world_size)
+    except mp.ProcessRaisedException as error:
+        print(error, file=sys.stderr)
+        fail(f"rank {error.error_index} failed (its traceback is above); the other ranks "
+             "were stopped")
+    except mp.ProcessExitedException as error:
+        fail(f"rank {error.error_index} died with exit code {error.exit_code} (killed, or out "
+             "of memory?); the other ranks were stopped")
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Lesson 05: DDP over the wine MLP split across two devices per rank.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step, per rank")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
+    parser.add_argument("--save-every", type=int, default=10,
+                        help="write checkpoint.pt every N epochs")
+    parser.add_argument("--out-dir", default="runs/05_model_parallel_ddp",
+                        help="folder for checkpoint.pt, final.pt and metrics.json")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="number of processes (default: one per pair of GPUs, 1 with one "
+                             "GPU, or 2 on the CPU)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                        help="auto: NCCL when there are GPUs, else gloo")
+    args = parser.parse_args(argv)
+    for name in ("epochs", "batch_size", "save_every", "world_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.lr <= 0:
+        fail(f"--lr must be positive (got {args.lr})")
+    return args
+
+
+if __name__ == "__main__":
+    launch(parse_args())
