@@ -54,3 +54,34 @@ def test_lesson02_nccl_with_more_ranks_than_gpus_is_refused(tmp_path):
     result = run_lesson("02_multi_gpu_spawn", "--backend", "nccl", "--world-size", GPUS + 1,
                         "--out-dir", tmp_path)
     assert_one_line_error(result, f"needs {GPUS + 1} GPUs", "--backend gloo")
+
+
+def test_lesson05_one_gpu_holds_both_stages(lesson_run):
+    # One visible GPU, whatever the node has: the plan puts both stages on cuda:0, one rank.
+    result, out_dir = lesson_run("05_model_parallel_ddp", env={"CUDA_VISIBLE_DEVICES": "0"})
+    metrics = assert_good_run(result, out_dir, world_size=1, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert metrics["stage_devices"] == ["cuda:0", "cuda:0"]
+    assert "both stages of the model share cuda:0" in result.stdout
+
+
+@needs_two
+def test_lesson05_splits_the_model_across_two_gpus(lesson_run):
+    result, out_dir = lesson_run("05_model_parallel_ddp", "--world-size", 1)
+    metrics = assert_good_run(result, out_dir, world_size=1, min_accuracy=0.95)
+    assert metrics["backend"] == "nccl"
+    assert metrics["stage_devices"] == ["cuda:0", "cuda:1"]
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+@pytest.mark.skipif(GPUS < 4, reason=f"needs 4+ GPUs; this machine has {GPUS}")
+def test_lesson05_four_gpus_make_two_ranks_of_two(lesson_run):
+    result, out_dir = lesson_run("05_model_parallel_ddp", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert metrics["stage_devices"] == ["cuda:0", "cuda:1"]  # rank 0's pair; rank 1 has 2 and 3
+
+
+def test_lesson05_more_ranks_than_gpu_pairs_is_refused(tmp_path):
+    result = run_lesson("05_model_parallel_ddp", "--world-size", GPUS // 2 + 1,
+                        "--out-dir", tmp_path)
+    assert_one_line_error(result, "GPUs (2 per rank)", "--backend gloo")

@@ -1,0 +1,125 @@
+"""Lesson 05, run as a learner runs it: DDP over a model split across two devices per rank.
+
+Here both stages sit on the CPU (gloo); the real split across GPUs is in test_gpu.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import (
+    ROOT,
+    assert_good_run,
+    assert_one_line_error,
+    evaluate_single_process,
+    import_lesson,
+    max_weight_difference,
+    read_metrics,
+    run_lesson,
+)
+
+LESSON = "05_model_parallel_ddp"
+CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
+
+
+def test_two_cpu_ranks_learn_and_count_every_test_wine(lesson_run):
+    result, out_dir = lesson_run(LESSON, *CPU, "--world-size", 2)
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.9)
+    assert (metrics["backend"], metrics["device"]) == ("gloo", "cpu")
+    assert metrics["stage_devices"] == ["cpu", "cpu"]
+    assert metrics["test_total"] == 36
+    # final.pt loads into lesson 01's WineMLP and scores there what the run reported.
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def test_placement_does_not_change_the_math(lesson_run):
+    # Same seed and flags as lesson 02's run (the cache shares it with lesson 02's tests).
+    _, spawn = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 2, "--batch-size", 16)
+    result, split = lesson_run(LESSON, *CPU, "--world-size", 2, "--batch-size", 16)
+    assert result.returncode == 0, result.stderr
+    assert read_metrics(split)["train_loss"] == pytest.approx(read_metrics(spawn)["train_loss"])
+    assert max_weight_difference(spawn, split) < 1e-5
+
+
+def test_split_forward_and_backward_equal_the_unsplit_model():
+    lesson01, lesson05 = import_lesson("01_single_gpu"), import_lesson(LESSON)
+    torch.manual_seed(1)
+    plain = lesson01.WineMLP()
+    split = lesson05.WineMLP("cpu", "cpu")
+    split.load_state_dict(plain.state_dict())
+    assert list(split.state_dict()) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    x = torch.randn(16, 13)
+    labels = torch.randint(0, 3, (16,))
+    outputs = []
+    for model in (plain, split):
+        output = model(x)
+        torch.nn.functional.cross_entropy(output, labels).backward()
+        outputs.append(output.detach())
+    torch.testing.assert_close(outputs[1], outputs[0])
+    for name, parameter in plain.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0
+        torch.testing.assert_close(split.get_parameter(name).grad, parameter.grad)
+
+
+@pytest.mark.parametrize(
+    "gpus, world_size, devices, note",
+    [
+        (0, 2, [("cpu", "cpu")] * 2, ""),
+        (1, 1, [("cuda:0", "cuda:0")], "both stages of the model share cuda:0"),
+        (2, 1, [("cuda:0", "cuda:1")], ""),
+        (3, 1, [("cuda:0", "cuda:1")], "cuda:2 stays idle"),
+        (4, 2, [("cuda:0", "cuda:1"), ("cuda:2", "cuda:3")], ""),
+        (8, 4, [(f"cuda:{2 * r}", f"cuda:{2 * r + 1}") for r in range(4)], ""),
+    ],
+)
+def test_device_plan(gpus, world_size, devices, note):
+    plan = import_lesson(LESSON).plan_devices(gpus, None)
+    assert plan[:2] == (world_size, devices)
+    if note:
+        assert note in plan[2]
+    else:
+        assert plan[2] == ""
+
+
+def test_device_plan_takes_a_smaller_world_size_and_any_on_the_cpu():
+    plan_devices = import_lesson(LESSON).plan_devices
+    assert plan_devices(8, 1)[:2] == (1, [("cuda:0", "cuda:1")])
+    assert plan_devices(0, 5)[:2] == (5, [("cpu", "cpu")] * 5)
+
+
+@pytest.mark.parametrize(
+    "gpus, world_size, fragments",
+    [
+        (4, 3, ["--world-size 3 needs 6 GPUs (2 per rank)", "use --world-size 2"]),
+        (1, 2, ["needs 4 GPUs", "use --world-size 1 or --backend gloo"]),
+        (2, 2, ["needs 4 GPUs", "use --world-size 1"]),
+        (3, 2, ["but 3 are visible", "use --world-size 1"]),
+    ],
+)
+def test_device_plan_refuses_too_many_ranks(gpus, world_size, fragments):
+    with pytest.raises(ValueError) as error:
+        import_lesson(LESSON).plan_devices(gpus, world_size)
+    for fragment in fragments:
+        assert fragment in str(error.value)
+
+
+def test_torchrun_starts_the_ranks_instead_of_spawn(tmp_path):
+    # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; the lesson must run as that rank.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(ROOT / LESSON / "train.py"), *CPU, "--epochs", "3", "--out-dir", str(tmp_path)],
+        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+        timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = read_metrics(tmp_path)
+    assert (metrics["world_size"], metrics["test_total"]) == (2, 36)
+    assert "starting 2 ranks" not in result.stdout  # nothing was spawned
+    assert result.stdout.count("test accuracy:") == 1  # rank 0 alone prints
+
+
+def test_world_size_zero_gets_one_clear_line(tmp_path):
+    result = run_lesson(LESSON, *CPU, "--world-size", 0, "--out-dir", tmp_path)
+    assert_one_line_error(result, "--world-size must be at least 1")
