@@ -382,7 +382,8 @@ def launch(args):
         if note and os.environ["RANK"] == "0":
             print(note, flush=True)
         os.makedirs(args.out_dir, exist_ok=True)
-        worker(int(os.environ["RANK"]), args)
+        worker(int(os.environ["RANK"]), args)  # runs main, then ends this process
+        return
     args.backend, args.world_size, args.devices, note = choose_backend(args.backend,
                                                                        args.world_size)
     if note:
