@@ -3,8 +3,11 @@
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -97,3 +100,38 @@ def assert_good_run(result, out_dir, world_size, min_accuracy=0.9):
     # final.pt is the plain model's state_dict: lesson 01's keys, no "module." prefix.
     assert list(load_weights(out_dir)) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     return metrics
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_nodes(commands, timeout=240):
+    """Start one command per node at once (node 0 first), wait for all; their results in order.
+
+    commands: (argv, env) pairs. Each node is its own process tree, as on separate machines.
+    Output goes to files, not pipes, so a talkative node cannot block on a full pipe."""
+    nodes, logs = [], []
+    for argv, env in commands:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        logs.append((out, err))
+        nodes.append(subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=err, text=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **env}))
+    try:
+        deadline = time.monotonic() + timeout
+        for node in nodes:
+            node.wait(timeout=max(1, deadline - time.monotonic()))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    results = []
+    for node, (out, err) in zip(nodes, logs, strict=True):
+        out.seek(0), err.seek(0)
+        results.append(subprocess.CompletedProcess(node.args, node.returncode, out.read(),
+                                                   err.read()))
+        out.close(), err.close()
+    return results

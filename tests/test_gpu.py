@@ -2,16 +2,21 @@
 
 One GPU: every NCCL run uses world size 1. Two or more: world size 2 as well."""
 
+import sys
+
 import pytest
 
 from helpers import (
     GPUS,
+    ROOT,
     assert_good_run,
     assert_one_line_error,
     evaluate_single_process,
+    free_port,
     max_weight_difference,
     read_metrics,
     run_lesson,
+    run_nodes,
 )
 
 pytestmark = [
@@ -86,3 +91,35 @@ def test_lesson05_more_ranks_than_gpu_pairs_is_refused(tmp_path):
     too_many = max(2, GPUS // 2 + 1)
     result = run_lesson("05_model_parallel_ddp", "--world-size", too_many, "--out-dir", tmp_path)
     assert_one_line_error(result, "GPUs (2 per rank)", "--backend gloo")
+
+
+def test_lesson03_one_node_nccl_one_process_per_gpu(lesson_run):
+    result, out_dir = lesson_run("03_multi_node", "--nproc-per-node", NCCL_WORLD)
+    metrics = assert_good_run(result, out_dir, world_size=NCCL_WORLD, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert [r["local_rank"] for r in metrics["ranks"]] == list(range(NCCL_WORLD))
+
+
+@needs_two
+def test_lesson03_two_nodes_of_one_gpu_each(tmp_path):
+    # Each "node" sees one GPU, so on both the local rank 0 picks cuda:0, which is a different
+    # physical GPU: what two single-GPU machines do.
+    port = str(free_port())
+    out_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    commands = [
+        ([sys.executable, str(ROOT / "03_multi_node" / "train.py"), "--backend", "nccl",
+          "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1", "--master-port", port,
+          "--out-dir", str(out_dirs[n])], {"CUDA_VISIBLE_DEVICES": str(n)})
+        for n in (0, 1)
+    ]
+    results = run_nodes(commands)
+    assert results[1].returncode == 0, results[1].stderr
+    metrics = assert_good_run(results[0], out_dirs[0], world_size=2, min_accuracy=0.95)
+    assert metrics["backend"] == "nccl"
+    assert [r["node_rank"] for r in metrics["ranks"]] == [0, 1]
+
+
+def test_lesson03_nccl_with_more_processes_than_gpus_is_refused(tmp_path):
+    result = run_lesson("03_multi_node", "--backend", "nccl", "--nproc-per-node", GPUS + 1,
+                        "--out-dir", tmp_path)
+    assert_one_line_error(result, f"needs {GPUS + 1} GPUs on each node", "--backend gloo")

@@ -1,6 +1,7 @@
 """Guards for the repository as a whole: current diffs, lint, and lessons that stand alone."""
 
 import ast
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -42,9 +43,22 @@ def test_every_lesson_after_the_first_has_a_diff():
         assert list(lesson.glob("from_*.diff")), f"{lesson.name} has no generated diff"
 
 
+def test_every_lesson_says_which_lesson_it_builds_on(tmp_path):
+    # Without that line there is no diff to show, and the check says so instead of guessing.
+    for lesson in ("01_single_gpu", "02_multi_gpu_spawn"):
+        shutil.copytree(ROOT / lesson, tmp_path / lesson)
+    script = tmp_path / "02_multi_gpu_spawn" / "train.py"
+    script.write_text(script.read_text().replace("Lesson 01's program", "The program"))
+    result = make_diffs("--check", "--root", str(tmp_path))
+    assert result.returncode == 1
+    assert "02_multi_gpu_spawn/train.py must name an earlier lesson" in result.stderr
+
+
 def test_lint():
-    ruff = shutil.which("ruff") or pytest.skip("ruff is not installed")
-    result = subprocess.run([ruff, "check", str(ROOT)], capture_output=True, text=True)
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (pip install -r requirements.txt)")
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)],
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 

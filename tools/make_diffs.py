@@ -1,25 +1,40 @@
-"""Write each lesson's diff from the previous lesson, and check that the written ones are current.
+"""Write each lesson's diff from the lesson it builds on; check that the written ones are current.
 
     python tools/make_diffs.py          # regenerate every diff file and README block
     python tools/make_diffs.py --check  # exit 1 if any of them is stale (the test suite runs this)
 
-Every folder NN_name/ with a train.py is a lesson; each is diffed against the one before it, with
-no exceptions. The diff goes to NN_name/from_<previous>.diff and into the lesson README between
-the two marker lines below, so what the learner reads is always what the code does.
+Every folder NN_name/ with a train.py is a lesson. Every lesson but the first says in its
+docstring which lesson it builds on ("Lesson 02's program, now ..."), and is diffed against that
+one, with no exceptions: lesson 05 builds on lesson 02, not on 04. The diff goes to
+NN_name/from_<base>.diff and into the lesson README between the two marker lines below, so what
+the learner reads is always what the code does.
 """
 
 import argparse
 import difflib
+import re
 import sys
-from itertools import pairwise
 from pathlib import Path
 
 BEGIN = "<!-- begin generated diff (tools/make_diffs.py writes this block; do not edit it) -->"
 END = "<!-- end generated diff -->"
 
 
+BASE = re.compile(r"^Lesson (\d\d)'s program", re.MULTILINE)
+
+
 def lessons(root):
     return sorted(p.parent.name for p in root.glob("[0-9][0-9]_*/train.py"))
+
+
+def base_of(root, lesson, all_lessons):
+    """The lesson that lesson's docstring says it builds on; ValueError if it says none."""
+    match = BASE.search((root / lesson / "train.py").read_text())
+    bases = [name for name in all_lessons if match and name.startswith(match.group(1) + "_")]
+    if not bases or bases[0] >= lesson:
+        raise ValueError(f"{lesson}/train.py must name an earlier lesson it builds on in its "
+                         "docstring, as a line starting \"Lesson NN's program\"")
+    return bases[0]
 
 
 def lesson_diff(root, previous, lesson):
@@ -39,7 +54,9 @@ def readme_with_diff(readme_text, diff):
 def expected_files(root):
     """{path: text} for every generated file, or raise ValueError for a README without markers."""
     files = {}
-    for previous, lesson in pairwise(lessons(root)):
+    all_lessons = lessons(root)
+    for lesson in all_lessons[1:]:
+        previous = base_of(root, lesson, all_lessons)
         diff = lesson_diff(root, previous, lesson)
         files[root / lesson / f"from_{previous}.diff"] = diff
         readme = root / lesson / "README.md"
@@ -61,13 +78,18 @@ def main():
     except ValueError as error:
         sys.exit(f"error: {error}")
     stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
+    # A diff from a lesson that is no longer the base would mislead: it goes.
+    leftover = [p for p in sorted(args.root.glob("[0-9][0-9]_*/from_*.diff")) if p not in files]
     if args.check:
-        for path in stale:
+        for path in stale + leftover:
             print(f"stale: {path.relative_to(args.root)}; run python tools/make_diffs.py")
-        sys.exit(1 if stale else 0)
+        sys.exit(1 if stale or leftover else 0)
     for path in stale:
         path.write_text(files[path])
         print(f"wrote {path.relative_to(args.root)}")
+    for path in leftover:
+        path.unlink()
+        print(f"removed {path.relative_to(args.root)}")
 
 
 if __name__ == "__main__":
