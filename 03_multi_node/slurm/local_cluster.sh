@@ -26,6 +26,8 @@
 #
 # Needs root (namespaces, bridge) and the Debian/Ubuntu packages slurm-wlm and munge.
 set -euo pipefail
+# The daemons live in sbin, which the PATH of `su` or of a non-login root shell may lack.
+PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 
 STATE_DIR="${DDP_SLURM_DIR:-/tmp/ddp-slurm}"
 # The state folder is wiped on start, so it must be ours: a marker file says it is.
