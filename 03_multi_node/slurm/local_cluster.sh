@@ -334,6 +334,13 @@ wait_until_idle() {
     return 1
 }
 
+on_failed_start() {
+    stop_cluster
+    if [ -f "$MARKER" ]; then
+        echo "logs kept in $LOGS" >&2
+    fi
+}
+
 start_cluster() {
     if [ -f "$MARKER" ] && live_pid "$STATE_DIR/ctld/slurmctld.pid" slurmctld >/dev/null; then
         echo "A local cluster is already running; restarting it (its jobs are ended)."
@@ -341,7 +348,7 @@ start_cluster() {
     # Stopping first makes start idempotent and clears what a crashed run left behind.
     stop_cluster
     # If any step below fails, take down what was started, but keep the logs to read.
-    trap 'stop_cluster; echo "logs kept in $LOGS" >&2' EXIT
+    trap on_failed_start EXIT
     make_state_dir
     start_munge
     write_slurm_conf
