@@ -5,7 +5,7 @@
 #   sudo bash 03_multi_node/slurm/local_cluster.sh status   # daemons, nodes, jobs
 #   sudo bash 03_multi_node/slurm/local_cluster.sh stop     # stop it and leave the machine clean
 #
-# What it builds (all of it removed again by `stop`):
+# What it builds (`stop` removes all of it but the logs):
 #   - a bridge ddpbr0 with 10.213.0.1/24 in the machine's own network namespace, where slurmctld
 #     (the controller) and munged (the authentication daemon) run;
 #   - per compute node N (node1, node2): a network namespace ddp-nodeN joined to the bridge by a
