@@ -6,14 +6,23 @@ PATCH is one of:
   no-ddp          replace DistributedDataParallel by a wrapper that does not synchronise
                   gradients: each rank trains on its own (the control for the DDP-math test)
   raise-on-rank-1 rank 1 raises at the start of its second epoch (a crashed rank)
+  die-while-saving
+                  the second torch.save of the run writes half its bytes, then its process is
+                  killed (SIGKILL), as by a power cut or the out-of-memory killer mid-write
+  log-writes      every save_atomically call prints "write <file name> by rank <rank>"
 
 spawn starts each rank by re-running this file's top level (as __mp_main__), so the patch is
 applied in every rank, not only in the launching process.
 """
 
 import importlib.util
+import io
+import os
+import signal
 import sys
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 script, patch = sys.argv[1], sys.argv[2]
@@ -38,11 +47,37 @@ def raise_on_rank_1(self, epoch):
     return original_train_epoch(self, epoch)
 
 
+saves = 0
+
+
+def die_while_saving(obj, f, *args, **kwargs):
+    global saves
+    saves += 1
+    if saves < 2:
+        return original_save(obj, f, *args, **kwargs)
+    buffer = io.BytesIO()
+    original_save(obj, buffer, *args, **kwargs)
+    f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def log_writes(obj, path):
+    print(f"write {os.path.basename(path)} by rank {dist.get_rank()}", flush=True)
+    return original_save_atomically(obj, path)
+
+
 original_train_epoch = lesson.Trainer.train_epoch
+original_save = torch.save
+original_save_atomically = getattr(lesson, "save_atomically", None)
 if patch == "no-ddp":
     lesson.DDP = NoSync
 elif patch == "raise-on-rank-1":
     lesson.Trainer.train_epoch = raise_on_rank_1
+elif patch == "die-while-saving":
+    torch.save = die_while_saving
+elif patch == "log-writes":
+    lesson.save_atomically = log_writes
 else:
     sys.exit(f"error: unknown patch {patch!r}")
 

@@ -123,3 +123,18 @@ def test_lesson03_nccl_with_more_processes_than_gpus_is_refused(tmp_path):
     result = run_lesson("03_multi_node", "--backend", "nccl", "--nproc-per-node", GPUS + 1,
                         "--out-dir", tmp_path)
     assert_one_line_error(result, f"needs {GPUS + 1} GPUs on each node", "--backend gloo")
+
+
+def test_lesson04_resumes_on_the_gpu_bitwise(lesson_run, tmp_path):
+    # The snapshot is written from cuda:0 and loaded with map_location onto each rank's GPU.
+    flags = ["--backend", "nccl", "--world-size", NCCL_WORLD, "--epochs", 6, "--save-every", 2]
+    _, reference = lesson_run("04_checkpointing", *flags)
+    crashed = run_lesson("04_checkpointing", *flags, "--crash-at-epoch", 3, "--out-dir", tmp_path)
+    assert crashed.returncode != 0
+    resumed = run_lesson("04_checkpointing", *flags, "--out-dir", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "2 of 6 epochs done, continuing at epoch 3" in resumed.stdout
+    metrics = read_metrics(tmp_path)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert max_weight_difference(tmp_path, reference) == 0
+    assert metrics["train_loss"] == read_metrics(reference)["train_loss"]

@@ -1,0 +1,214 @@
+"""Lesson 04, run as a learner runs it: snapshots, a crash, and a resume that loses nothing.
+
+"Bitwise equal" means torch.equal on every tensor of final.pt, and the same float for every
+epoch's loss: a resumed run must be the run that never crashed, not merely close to it."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import (
+    ROOT,
+    assert_good_run,
+    assert_one_line_error,
+    evaluate_single_process,
+    load_weights,
+    read_metrics,
+    run_lesson,
+)
+
+LESSON = "04_checkpointing"
+CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
+# Six epochs, a snapshot every two, one rank dies at the start of epoch 3: the snapshot of
+# epoch 2 is the one to resume from.
+SHORT = ["--epochs", "6", "--save-every", "2"]
+CRASH = ["--crash-at-epoch", "3"]
+
+
+def assert_bitwise_equal(out_dir, reference_dir):
+    weights, reference = load_weights(out_dir), load_weights(reference_dir)
+    assert weights.keys() == reference.keys()
+    for name in weights:
+        assert torch.equal(weights[name], reference[name]), name
+    assert read_metrics(out_dir)["train_loss"] == read_metrics(reference_dir)["train_loss"]
+
+
+def snapshot(out_dir):
+    return torch.load(os.path.join(out_dir, "snapshot.pt"), weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(lesson_run):
+    """The reference run for a world size: the same flags, no crash."""
+    def run(world_size):
+        result, out_dir = lesson_run(LESSON, *CPU, *SHORT, "--world-size", world_size)
+        assert result.returncode == 0, result.stderr
+        return out_dir
+    return run
+
+
+@pytest.fixture(scope="module")
+def crashed(lesson_run):
+    """A run that died at the start of epoch 3; each test resumes its own copy of its folder."""
+    def run(world_size, copy_to):
+        result, out_dir = lesson_run(LESSON, *CPU, *SHORT, *CRASH, "--world-size", world_size)
+        shutil.copytree(out_dir, copy_to)
+        return result, copy_to
+    return run
+
+
+def test_default_run_writes_a_snapshot_and_a_final_model(lesson_run):
+    result, out_dir = lesson_run(LESSON, *CPU)
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert (metrics["resumed_after_epoch"], metrics["launcher"]) == (0, "spawn")
+    saved = snapshot(out_dir)
+    assert sorted(saved) == ["epochs_completed", "model", "optimizer", "train_loss", "world_size"]
+    assert (saved["epochs_completed"], saved["world_size"]) == (20, 2)
+    assert saved["train_loss"] == metrics["train_loss"]
+    assert list(saved["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert saved["optimizer"]["state"], "the optimizer's state was not saved"
+    # final.pt is lesson 01's model, for inference anywhere.
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+    assert not list(out_dir.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_crash_then_resume_equals_the_run_that_never_crashed(crashed, uninterrupted, tmp_path,
+                                                            world_size):
+    result, out_dir = crashed(world_size, tmp_path / "run")
+    assert result.returncode != 0
+    assert f"simulated crash of rank {world_size - 1} at the start of epoch 3" in result.stderr
+    assert "Run the same command again to resume" in result.stderr
+    assert snapshot(out_dir)["epochs_completed"] == 2
+    assert not (out_dir / "final.pt").exists()
+
+    # The same command without --crash-at-epoch (as the docstring says).
+    resumed = run_lesson(LESSON, *CPU, *SHORT, "--world-size", world_size, "--out-dir", out_dir)
+    metrics = assert_good_run_resumed(resumed, out_dir, world_size)
+    assert metrics["resumed_after_epoch"] == 2
+    assert_bitwise_equal(out_dir, uninterrupted(world_size))
+
+
+def assert_good_run_resumed(result, out_dir, world_size):
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 of 6 epochs done, continuing at epoch 3" in result.stdout
+    # No epoch repeated, none skipped: this run printed epochs 3 to 6, once each.
+    printed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("epoch")]
+    assert printed == ["3/6", "4/6", "5/6", "6/6"], result.stdout
+    metrics = read_metrics(out_dir)
+    assert (metrics["world_size"], len(metrics["train_loss"])) == (world_size, 6)
+    return metrics
+
+
+def test_the_crash_happens_once_even_with_the_flag_still_given(crashed, uninterrupted, tmp_path):
+    _, out_dir = crashed(2, tmp_path / "run")
+    again = run_lesson(LESSON, *CPU, *SHORT, *CRASH, "--world-size", 2, "--out-dir", out_dir)
+    assert_good_run_resumed(again, out_dir, 2)
+    assert_bitwise_equal(out_dir, uninterrupted(2))
+
+
+def test_torchrun_restarts_the_job_and_it_resumes(uninterrupted, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "--max-restarts", "1", str(ROOT / LESSON / "train.py"), *CPU, *SHORT, *CRASH,
+         "--out-dir", str(tmp_path)],
+        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+        timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "simulated crash of rank 1 at the start of epoch 3" in result.stderr
+    assert "2 of 6 epochs done, continuing at epoch 3" in result.stdout
+    metrics = read_metrics(tmp_path)
+    assert (metrics["launcher"], metrics["resumed_after_epoch"]) == ("torchrun", 2)
+    assert_bitwise_equal(tmp_path, uninterrupted(2))
+
+
+def test_a_crash_while_writing_leaves_the_previous_snapshot(uninterrupted, tmp_path):
+    # The second snapshot (after epoch 4) is cut off halfway and rank 0 is killed.
+    died = run_lesson(LESSON, *CPU, *SHORT, "--world-size", 2, "--out-dir", tmp_path,
+                      patch="die-while-saving")
+    assert died.returncode != 0
+    assert "died with exit code -9" in died.stderr
+    assert (tmp_path / "snapshot.pt.tmp").exists(), "the half-written file should be the tmp"
+    assert snapshot(tmp_path)["epochs_completed"] == 2  # the previous one, intact
+    resumed = run_lesson(LESSON, *CPU, *SHORT, "--world-size", 2, "--out-dir", tmp_path)
+    assert_good_run_resumed(resumed, tmp_path, 2)
+    assert_bitwise_equal(tmp_path, uninterrupted(2))
+
+
+def test_only_global_rank_0_writes_each_snapshot(lesson_run, uninterrupted):
+    result, out_dir = lesson_run(LESSON, *CPU, *SHORT, "--world-size", 2, patch="log-writes")
+    assert result.returncode == 0, result.stderr
+    writes = [line for line in result.stdout.splitlines() if line.startswith("write ")]
+    # Snapshots after epochs 2, 4 and 6, each written once, by rank 0.
+    assert writes == ["write snapshot.pt by rank 0"] * 3, result.stdout
+    assert_bitwise_equal(out_dir, uninterrupted(2))
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_snapshot_resumes_with_another_world_size(crashed, uninterrupted, tmp_path, before,
+                                                    after):
+    _, out_dir = crashed(before, tmp_path / "run")
+    result = run_lesson(LESSON, *CPU, *SHORT, "--world-size", after, "--out-dir", out_dir)
+    metrics = assert_good_run_resumed(result, out_dir, after)
+    assert f"written by {before} ranks and {after} resume it" in result.stdout
+    # The epochs before the crash are the old world size's, to the last bit.
+    assert metrics["train_loss"][:2] == read_metrics(uninterrupted(before))["train_loss"][:2]
+    assert metrics["train_loss"][-1] < metrics["train_loss"][0]
+    assert metrics["test_accuracy"] >= 0.9
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def write_bad_snapshot(kind, out_dir, good_dir):
+    good = (good_dir / "snapshot.pt").read_bytes()
+    path = out_dir / "snapshot.pt"
+    if kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif kind == "garbage":
+        path.write_bytes(b"not a snapshot at all\n" * 20)
+    elif kind == "not-a-snapshot":  # lesson 01's final.pt: weights only, no optimizer
+        torch.save(load_weights(good_dir), path)
+    elif kind == "other-model":
+        saved = torch.load(good_dir / "snapshot.pt", weights_only=True)
+        saved["model"]["fc1.weight"] = torch.zeros(32, 13)
+        torch.save(saved, path)
+    elif kind == "unsafe-pickle":  # an object weights_only=True must refuse to build
+        torch.save({"model": {}, "note": shutil.which}, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, fragment",
+    [
+        ("truncated", "cannot be loaded"),
+        ("garbage", "cannot be loaded"),
+        ("unsafe-pickle", "cannot be loaded"),
+        ("not-a-snapshot", "is not a snapshot of this lesson (no model, optimizer"),
+        ("other-model", "holds a different model (size mismatch for fc1.weight"),
+    ],
+)
+def test_a_bad_snapshot_is_refused_not_silently_replaced(uninterrupted, tmp_path, kind,
+                                                         fragment):
+    path = write_bad_snapshot(kind, tmp_path, uninterrupted(2))
+    before = path.read_bytes()
+    result = run_lesson(LESSON, *CPU, *SHORT, "--out-dir", tmp_path)
+    line = assert_one_line_error(result, str(path), fragment)
+    assert "delete it" in line
+    assert path.read_bytes() == before  # not overwritten, not removed
+    assert not (tmp_path / "final.pt").exists()  # no silent training from scratch
+
+
+def test_more_epochs_done_than_asked_for_is_refused(uninterrupted, tmp_path):
+    shutil.copy(uninterrupted(2) / "snapshot.pt", tmp_path / "snapshot.pt")
+    result = run_lesson(LESSON, *CPU, "--epochs", 3, "--out-dir", tmp_path)
+    assert_one_line_error(result, "has 6 epochs done, more than --epochs 3",
+                          "ask for at least 6")
+
+
+def test_crash_at_epoch_zero_gets_one_clear_line(tmp_path):
+    result = run_lesson(LESSON, *CPU, "--crash-at-epoch", 0, "--out-dir", tmp_path)
+    assert_one_line_error(result, "--crash-at-epoch must be at least 1")
