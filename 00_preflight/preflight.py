@@ -11,7 +11,7 @@ Run it from the repository root:
     python 00_preflight/preflight.py                     # the checks, then the commands
     python 00_preflight/preflight.py --json              # the same, as JSON
     python 00_preflight/preflight.py --master-port 29500 # test the port you mean to use
-    python 00_preflight/preflight.py --timeout 30        # a slow machine: wait longer
+    python 00_preflight/preflight.py --timeout 120       # a very slow machine: wait longer
 """
 
 import argparse
@@ -220,7 +220,7 @@ def fix_for_group_error(reason, address, port):
         return ("this machine's name does not resolve to an address; set GLOO_SOCKET_IFNAME=lo "
                 "(lo0 on macOS) for runs on this machine")
     if "did not report" in reason or "died" in reason:
-        return ("the processes did not start or finish; run again with --timeout 60 on a slow "
+        return ("the processes did not start or finish; run again with --timeout 120 on a slow "
                 "or busy machine, and see TROUBLESHOOTING.md")
     return (f"the processes could not meet at {address}:{port}; check that no firewall blocks "
             "connections on this machine, raise --timeout, and see TROUBLESHOOTING.md")
@@ -532,9 +532,9 @@ def parse_args(argv=None):
                              "else 127.0.0.1)")
     parser.add_argument("--master-port", type=int,
                         help="the port they meet at (default: $MASTER_PORT, else a free one)")
-    parser.add_argument("--timeout", type=float, default=10,
-                        help="seconds the processes may take to form the group and all_reduce, "
-                             "once started")
+    parser.add_argument("--timeout", type=float, default=30,
+                        help="seconds each test process waits for the other, to form the "
+                             "group and in the all_reduce")
     args = parser.parse_args(argv)
     if args.master_port is not None and not 0 < args.master_port < 65536:
         sys.exit(f"error: --master-port must be a port number, 1 .. 65535 "

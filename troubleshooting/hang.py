@@ -21,7 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# How long a rank waits for a missing one here; PyTorch's default is 30 minutes for gloo.
 TIMEOUT = datetime.timedelta(seconds=2)
+# For forming the group itself: on a busy machine two fresh processes may take several seconds
+# more than each other to import torch, and that must not look like a missing rank.
+START = datetime.timedelta(seconds=60)
 
 
 def say(line):
@@ -56,27 +60,29 @@ def rank_that_never_comes():
 
 def worker(rank):
     """Both ranks start, so the group forms; then rank 1 skips a collective."""
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=TIMEOUT)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=START)
     if rank == 0:
         say("fix: with every rank started (here by mp.spawn), the group forms")
-    # Two more groups between the same two ranks, made now while all is well: one with the
+    # Two groups of the same two ranks that give up after TIMEOUT: one plain, one with the
     # checks of TORCH_DISTRIBUTED_DEBUG=DETAIL (set_debug_level is that variable, set from
-    # code), one for the fix. A group whose collective timed out is not used again.
+    # code). A group whose collective timed out is not used again; the default group, which
+    # waits longer, keeps the ranks in step between the parts and shows the fix.
+    plain = dist.new_group(timeout=TIMEOUT)
     dist.set_debug_level(dist.DebugLevel.DETAIL)
     checked = dist.new_group(timeout=TIMEOUT)
     dist.set_debug_level(dist.DebugLevel.OFF)
-    fixed = dist.new_group(timeout=TIMEOUT)
 
     loss = torch.tensor([float(rank + 1)])
+    dist.barrier()  # start the symptom together
     start = time.monotonic()
     try:
         if rank == 0:  # the bug: a collective that only rank 0 calls
-            dist.all_reduce(loss)
-        dist.barrier()  # every rank then waits for the others here
+            dist.all_reduce(loss, group=plain)
+        dist.barrier(group=plain)  # every rank then waits for the others here
     except RuntimeError as error:
         say(f"rank {rank} gave up after {time.monotonic() - start:.0f} s: "
             f"{first_line(error)}")
-    dist.barrier(group=fixed)
+    dist.barrier()
     if rank == 0:
         say("symptom: rank 0 waits in all_reduce, rank 1 in barrier, each for the other, "
             "until the timeout")
@@ -91,14 +97,14 @@ def worker(rank):
         if rank == 0:
             message = first_line(error).split(", TensorShape")[0]
             say(f"with TORCH_DISTRIBUTED_DEBUG=DETAIL, rank 0 stops at once: {message}, ...")
-    dist.barrier(group=fixed)
+    dist.barrier()
     if rank == 0:
         say("diagnosis: DETAIL names the collective that rank 0 runs and rank 1 does not")
 
     # The fix: every rank calls every collective, in the same order; only the printing is
     # gated on the rank.
-    dist.all_reduce(loss, group=fixed)
-    dist.barrier(group=fixed)
+    dist.all_reduce(loss)
+    dist.barrier()
     if rank == 0:
         say(f"fix: all_reduce on every rank, then the barrier: done, sum = {loss.item():g}")
     os._exit(0)  # skip gloo's teardown of the timed-out group at exit

@@ -24,7 +24,11 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+# How long a rank waits for a missing one here; PyTorch's default is 30 minutes for gloo.
 TIMEOUT = datetime.timedelta(seconds=2)
+# For forming the group itself: on a busy machine two fresh processes may take several seconds
+# more than each other to import torch, and that must not look like a missing rank.
+START = datetime.timedelta(seconds=60)
 STEPS = {0: 3, 1: 2}  # batches per rank: rank 0 has one more
 
 
@@ -49,30 +53,34 @@ def make_model(group):
 
 
 def worker(rank):
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=TIMEOUT)
-    # A second group for the fix, made while all is well: one whose collective timed out is
-    # not used again.
-    fixed = dist.new_group(timeout=TIMEOUT)
-
-    model = make_model(None)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=START)
+    # A group of the same two ranks that gives up after TIMEOUT, for the symptom. A group whose
+    # collective timed out is not used again; the default group, which waits longer, keeps the
+    # ranks in step afterwards and shows the fix.
+    short = dist.new_group(timeout=TIMEOUT)
+    # The model for the fix first, on the default group: the first DDP in a process takes a
+    # second or more to set up, and the ranks must not drift apart by TIMEOUT before the symptom.
+    joined_model = make_model(None)
+    model = make_model(short)
+    dist.barrier()  # start the symptom together
     start = time.monotonic()
     try:
         train(model, rank)
-        dist.barrier()  # the finished rank waits here, before saving or evaluating
+        dist.barrier(group=short)  # the finished rank waits here, before saving or evaluating
     except RuntimeError as error:
         say(f"rank {rank} gave up after {time.monotonic() - start:.0f} s: "
             f"{str(error).splitlines()[0]}")
-    dist.barrier(group=fixed)
+    dist.barrier()
     if rank == 0:
         say(f"symptom: rank 0 waits in its step {STEPS[0]} gradient all-reduce, rank 1 (done "
             f"after {STEPS[1]} steps) in barrier, each for the other, until the timeout")
 
-    model = make_model(fixed)
+    model = joined_model
     with Join([model]):  # a rank that runs out of data joins the others' all-reduces with zeros
         train(model, rank)
-    dist.barrier(group=fixed)
+    dist.barrier()
     weights = [torch.zeros(4) for _ in range(2)]
-    dist.all_gather(weights, model.module.weight.detach().flatten(), group=fixed)
+    dist.all_gather(weights, model.module.weight.detach().flatten())
     if rank == 0 and torch.equal(weights[0], weights[1]):
         say(f"fix: under Join both ranks finish ({STEPS[0]} and {STEPS[1]} steps) with the same "
             "weights")
