@@ -327,14 +327,16 @@ def plan(facts):
                        "reason": f"{facts['slurm_note']}, and the local two-node cluster needs "
                                  f"{facts['local_cluster_missing']}"})
     else:
-        # The local cluster of lesson 03: two slurmd in network namespaces on this machine.
-        sudo = facts["sudo"]
+        # Lesson 03's local cluster: two slurmd in network namespaces on this machine. Its
+        # daemons and jobs run as root, and the job finds torchrun on the PATH it is given.
         can.append({"lesson": "03_multi_node", "where": "slurm",
-                    "note": "no Slurm cluster answers, so start the local two-node one first",
-                    "commands": [f"{sudo}bash {slurm}/local_cluster.sh start",
+                    "note": "no Slurm cluster answers, so start lesson 03's local two-node one, "
+                            "in a root shell (sudo -i) with the virtual environment active",
+                    "commands": [f"bash {slurm}/local_cluster.sh start",
                                  f"export SLURM_CONF={LOCAL_SLURM_CONF}",
-                                 f"sbatch {slurm}/train.sbatch --epochs 5", "squeue",
-                                 f"{sudo}bash {slurm}/local_cluster.sh stop"]})
+                                 f"sbatch {slurm}/train.sbatch --epochs 5 --out-dir runs/slurm",
+                                 "squeue",
+                                 f"bash {slurm}/local_cluster.sh stop"]})
     return can, cannot
 
 
@@ -478,7 +480,7 @@ def main(args):
         elif missing:
             local_missing = f"{', '.join(missing)} (apt-get install slurm-wlm munge iproute2)"
         elif os.geteuid() != 0 and not shutil.which("sudo"):
-            local_missing = "root, and there is no sudo"
+            local_missing = "root (and there is no sudo)"
         report.add("OK", "slurm", f"sbatch at {sbatch}; {slurm_note}")
     else:
         report.add("SKIP", "slurm", "no sbatch: the Slurm commands are left out")
@@ -487,8 +489,7 @@ def main(args):
              "nccl_ok": nccl_ok, "gloo_why": gloo_why, "nccl_why": nccl_why,
              "gpu_why": gpu_why, "multi_node_port_free": multi_node_port_free,
              "spare_port": spare_port, "sbatch": sbatch, "slurm_answers": slurm_answers,
-             "slurm_note": slurm_note, "local_cluster_missing": local_missing,
-             "sudo": "" if hasattr(os, "geteuid") and os.geteuid() == 0 else "sudo "}
+             "slurm_note": slurm_note, "local_cluster_missing": local_missing}
     can, cannot = plan(facts)
     if not python_ok and not error:
         error = f"Python {version} is too old; the lessons need Python 3.10 or newer"

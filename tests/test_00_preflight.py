@@ -1,8 +1,10 @@
 """Lesson 00, run as a learner runs it: python 00_preflight/preflight.py, before anything else."""
 
+import importlib.util
 import json
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -97,12 +99,11 @@ def test_without_gpus_the_gpu_commands_are_left_out_with_the_reason(preflight):
     assert "--backend gloo" not in preflight.stdout  # the CPU is the default here
 
 
-def test_slurm_commands_only_where_sbatch_exists(preflight):
+def test_the_slurm_line_follows_whether_sbatch_exists(preflight):
     status, _ = status_line(preflight.stdout, "slurm")
-    commands = listed_commands(preflight.stdout)
-    if status == "SKIP":
-        assert not any(command.startswith("sbatch") for command in commands)
-        assert "03_multi_node, Slurm: no sbatch" in preflight.stdout
+    assert (status == "OK") == (shutil.which("sbatch") is not None)
+    # Listed either way: with its commands, or with the reason it cannot run here.
+    assert "03_multi_node, Slurm" in preflight.stdout
 
 
 def test_a_port_in_use_fails_the_group_with_one_error_line_that_names_the_fix():
@@ -152,3 +153,99 @@ def test_gpu_commands(preflight):
     assert "02_multi_gpu_spawn, GPU" in preflight.stdout
     # On a GPU machine the CPU commands must say gloo, or the lessons would pick NCCL.
     assert "02_multi_gpu_spawn/train.py --world-size 2 --backend gloo" in preflight.stdout
+
+
+def load_preflight(root):
+    """The preflight as a module, looking for lessons under root instead of this repository."""
+    spec = importlib.util.spec_from_file_location("preflight", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.ROOT = root
+    return module
+
+
+def machine(**overrides):
+    """The facts main() gathers, for a CPU laptop where everything works; overrides change it."""
+    facts = {"python": "python", "torchrun": "torchrun", "gpus": 0, "gloo_ok": True,
+             "nccl_ok": False, "gloo_why": "", "nccl_why": "no GPU visible", "gpu_why":
+             "no GPU visible", "multi_node_port_free": True, "spare_port": 40000,
+             "sbatch": None, "slurm_answers": False, "slurm_note": "",
+             "local_cluster_missing": ""}
+    return {**facts, **overrides}
+
+
+@pytest.fixture
+def full_repository(tmp_path):
+    # Every lesson and the Slurm files present, as in a complete checkout.
+    for path in ("01_single_gpu/train.py", "02_multi_gpu_spawn/train.py", "03_multi_node/train.py",
+                 "04_checkpointing/train.py", "05_model_parallel_ddp/train.py",
+                 "03_multi_node/slurm/train.sbatch", "03_multi_node/slurm/local_cluster.sh"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
+    return load_preflight(tmp_path)
+
+
+def commands_for(can, lesson, where):
+    return [c for entry in can if (entry["lesson"], entry["where"]) == (lesson, where)
+            for c in entry["commands"]]
+
+
+def test_plan_on_a_machine_with_four_gpus(full_repository):
+    # The GPU branch, which this CPU machine cannot reach by running the script.
+    can, cannot = full_repository.plan(machine(gpus=4, nccl_ok=True, nccl_why=""))
+    assert commands_for(can, "02_multi_gpu_spawn", "gpu") == ["python 02_multi_gpu_spawn/train.py"]
+    assert commands_for(can, "03_multi_node", "gpu") == [
+        "torchrun --standalone --nproc-per-node 4 03_multi_node/train.py"]
+    # The CPU commands must keep to gloo and 2 processes, or the lessons would take the GPUs.
+    assert commands_for(can, "02_multi_gpu_spawn", "cpu") == [
+        "python 02_multi_gpu_spawn/train.py --world-size 2 --backend gloo"]
+    assert ("python 03_multi_node/train.py --nnodes 2 --node-rank 0 --nproc-per-node 2 "
+            "--backend gloo") in commands_for(can, "03_multi_node", "cpu")
+    assert commands_for(can, "01_single_gpu", "cpu") == [
+        "python 01_single_gpu/train.py --device cpu"]
+    assert not [entry for entry in cannot if entry["where"] == "gpu"]
+
+
+def test_plan_when_nccl_fails_keeps_the_cpu_commands(full_repository):
+    can, cannot = full_repository.plan(machine(gpus=2, nccl_ok=False, nccl_why="NCCL failed"))
+    assert {entry["lesson"] for entry in can if entry["where"] == "gpu"} == {"01_single_gpu"}
+    assert {entry["reason"] for entry in cannot if entry["where"] == "gpu"} == {"NCCL failed"}
+    assert commands_for(can, "05_model_parallel_ddp", "cpu")
+
+
+def test_plan_with_a_busy_multi_node_port_moves_lesson_03(full_repository):
+    can, _ = full_repository.plan(machine(multi_node_port_free=False, spare_port=40123))
+    assert all("--master-port 40123" in c for c in commands_for(can, "03_multi_node", "cpu")
+               if "--nnodes 2" in c)
+
+
+@pytest.mark.parametrize("facts, expected", [
+    (machine(), None),
+    (machine(sbatch="/usr/bin/sbatch", slurm_answers=True, slurm_note="a Slurm cluster answers"),
+     ["sbatch 03_multi_node/slurm/train.sbatch", "squeue"]),
+    (machine(sbatch="/usr/bin/sbatch", slurm_note="no Slurm cluster answers here"),
+     ["bash 03_multi_node/slurm/local_cluster.sh start",
+      "export SLURM_CONF=/tmp/ddp-slurm/slurm.conf",
+      "sbatch 03_multi_node/slurm/train.sbatch --epochs 5 --out-dir runs/slurm", "squeue",
+      "bash 03_multi_node/slurm/local_cluster.sh stop"]),
+    (machine(sbatch="/usr/bin/sbatch", slurm_note="no Slurm cluster answers here",
+             local_cluster_missing="slurmd, munged"), None),
+], ids=["no sbatch", "a cluster answers", "local cluster", "local cluster impossible"])
+def test_slurm_commands_follow_what_the_machine_has(full_repository, facts, expected):
+    full_repository.LOCAL_SLURM_CONF = "/tmp/ddp-slurm/slurm.conf"  # whatever DDP_SLURM_DIR says
+    can, cannot = full_repository.plan(facts)
+    if expected is None:
+        reasons = [entry["reason"] for entry in cannot if entry["where"] == "slurm"]
+        assert len(reasons) == 1 and ("sbatch" in reasons[0] or "slurmd" in reasons[0])
+        assert not commands_for(can, "03_multi_node", "slurm")
+    else:
+        assert commands_for(can, "03_multi_node", "slurm") == expected
+
+
+def test_a_missing_lesson_is_named_not_listed(tmp_path):
+    (tmp_path / "01_single_gpu").mkdir()
+    (tmp_path / "01_single_gpu" / "train.py").touch()
+    can, cannot = load_preflight(tmp_path).plan(machine())
+    assert [entry["lesson"] for entry in can] == ["01_single_gpu"]
+    assert ("02_multi_gpu_spawn", "02_multi_gpu_spawn/train.py is not in this copy of the "
+            "repository") in {(entry["lesson"], entry["reason"]) for entry in cannot}
