@@ -1,0 +1,128 @@
+"""TROUBLESHOOTING.md's demos, run as a learner runs them: each shows its symptom, then its fix.
+
+Every demo bounds its waits with a timeout of a few seconds, so a demo that hung would fail here
+on the subprocess timeout instead of stalling the suite."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import GPUS, ROOT
+
+DEMOS = sorted(p.name for p in (ROOT / "troubleshooting").glob("*.py"))
+
+
+def run_demo(name):
+    result = subprocess.run([sys.executable, str(ROOT / "troubleshooting" / name)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def assert_both_ranks_gave_up(out):
+    """Each rank waited for the other and gave up: at least one on its own 2-second timeout;
+    the other may instead see the connection its peer closed on giving up."""
+    gave_up = re.findall(r"rank ([01]) gave up after \d+ s: (.*)", out)
+    assert sorted(rank for rank, _ in gave_up) == ["0", "1"], out
+    assert any("Timed out waiting 2000ms" in error for _, error in gave_up), out
+
+
+def test_the_guide_and_the_demos_name_each_other():
+    # A demo the guide does not mention is never found; a command in the guide without its demo
+    # is a broken promise. Both directions, no exceptions.
+    for guide in (ROOT / "TROUBLESHOOTING.md", ROOT / "troubleshooting" / "README.md"):
+        commands = set(re.findall(r"python troubleshooting/(\w+\.py)", guide.read_text()))
+        assert commands == set(DEMOS), guide.name
+    tested = set(re.findall(r'run_demo\("(\w+\.py)"\)', Path(__file__).read_text()))
+    assert tested == set(DEMOS)
+
+
+def test_hang_at_start_up_and_at_a_collective():
+    out = run_demo("hang.py")
+    # A rank that never comes: init_process_group gives up after the timeout, with torch's words.
+    assert "1/2 clients joined" in out
+    assert "symptom: rank 0 waits at init_process_group for a rank that never comes" in out
+    assert "fix: with every rank started (here by mp.spawn), the group forms" in out
+    # A collective only rank 0 calls: both ranks give up, each waiting for the other.
+    assert_both_ranks_gave_up(out)
+    # DETAIL names the mismatch at once instead of waiting.
+    assert "Detected mismatch between collectives on ranks" in out
+    assert "OpType=ALLREDUCE" in out
+    assert "fix: all_reduce on every rank, then the barrier: done, sum = 3" in out
+
+
+def test_port_in_use():
+    out = run_demo("port_in_use.py")
+    assert "The server socket has failed to listen on any local network address" in out
+    if sys.platform == "linux":
+        assert "EADDRINUSE" in out
+    assert re.search(r"symptom: port \d+ is already in use", out)
+    assert re.search(r"fix: a free port from the operating system \(\d+\): the group started", out)
+
+
+def test_missing_set_epoch_repeats_the_order():
+    out = run_demo("missing_set_epoch.py")
+    orders = re.findall(r"epoch \d: rank 0 gets (\[.*\])", out)
+    assert len(orders) == 6
+    without, fixed = orders[:3], orders[3:]
+    assert len(set(without)) == 1  # the symptom: one order, three times
+    assert len(set(fixed)) == 3  # the fix: a new order every epoch
+    assert without[0] == fixed[0]  # epoch 0 is the same either way: seed + 0
+    assert "symptom: rank 0 gets the same samples in the same order in all 3 epochs" in out
+    assert "fix: 3 different orders" in out
+
+
+def test_sampler_padding_counts_samples_twice():
+    out = run_demo("sampler_padding.py")
+    assert re.search(r"one process \(the truth\)\s+32/36", out)
+    assert re.search(r"DistributedSampler \(pads with repeats\)\s+34/40", out)
+    assert "symptom: 40 samples counted for a test set of 36: 4 were counted twice" in out
+    assert re.search(r"test_set\[rank::world_size\]\s+32/36", out)
+    assert "fix: the stride counts each of the 36 samples exactly once" in out
+
+
+def test_weights_only_refuses_a_namespace():
+    out = run_demo("weights_only.py")
+    assert "Weights only load failed" in out
+    assert "Unsupported global: GLOBAL argparse.Namespace" in out
+    assert "fix 1: saved vars(args) instead; weights_only=True loads it" in out
+    assert "fix 2: safe_globals([argparse.Namespace]) loads the old file" in out
+
+
+def test_map_location():
+    out = run_demo("map_location.py")
+    if GPUS == 0:
+        assert ("Attempting to deserialize object on a CUDA device but "
+                "torch.cuda.is_available() is False") in out
+    elif GPUS == 1:
+        assert "Attempting to deserialize object on CUDA device 1" in out
+    else:
+        assert "symptom: torch.load without map_location put the weights on cuda:1" in out
+    assert "fix: torch.load(path, map_location='cpu') put them on cpu" in out
+
+
+def test_uneven_inputs_hang_and_join():
+    out = run_demo("uneven_inputs.py")
+    assert_both_ranks_gave_up(out)
+    assert "symptom: rank 0 waits in its step 3 gradient all-reduce" in out
+    assert "fix: under Join both ranks finish (3 and 2 steps) with the same weights" in out
+
+
+def test_spawn_from_a_notebook():
+    out = run_demo("notebook_spawn.py")
+    assert "AttributeError: Can't get attribute 'worker' on <module '__main__' (built-in)>" in out
+    assert "ProcessExitedException" in out
+    assert "hello from rank 0; hello from rank 1" in out
+    assert "fix: both ranks ran" in out
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no interface named lo or lo0 on Windows")
+def test_gloo_interface_name():
+    out = run_demo("socket_ifname.py")
+    assert "Unable to find address for: ^lo" in out
+    assert "symptom: gloo takes one interface name" in out
+    assert re.search(r"fix: GLOO_SOCKET_IFNAME=lo0?, an interface of this machine: the group "
+                     r"started", out)
