@@ -1,0 +1,179 @@
+"""The companion notebooks: stored without outputs, and each executed top to bottom on the CPU.
+
+They are executed with nbclient, the library behind `jupyter nbconvert --execute`, called
+directly: it is already in requirements.txt, it is a plain library call with no pytest plugin
+in between, and each notebook is one parametrized test with its own timeout whose failure names
+the cell and shows its traceback. (nbmake would add a plugin and a requirement; nbval is made
+to compare stored outputs, which these notebooks do not keep.)
+
+They are stored without outputs, so that diffs stay readable and no stale number or figure can
+disagree with the code; `python tools/clear_notebooks.py` clears them after a run, and a test
+fails until it has. For executed copies (they land in runs/, which git ignores):
+
+    jupyter nbconvert --to notebook --execute --output-dir runs/notebooks/executed notebooks/*.ipynb
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from helpers import ROOT
+
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+LESSONS = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
+
+# Besides running without an error and drawing a figure, what each notebook must have printed:
+# the lesson's own result, from the script it ran or from the demo it is about.
+EXPECTED_TEXT = {
+    "01_single_gpu": ["test accuracy:", "18 steps; the last batch has 6 wines"],
+    "02_multi_gpu_spawn": ["every rank ends with the sum of all 4 gradients: True",
+                           "all_reduce over one rank gives back", "AttributeError",
+                           "test accuracy:", "largest difference between the two loss curves"],
+    "03_multi_node": ["rank 3 = 1 * 2 + 1", "node 1 wrote: nothing", "test accuracy:"],
+    "04_checkpointing": ["simulated crash of rank 1", "resuming from",
+                         "losses equal: True; final.pt bitwise equal: True",
+                         "weights_only=True refused it"],
+    "05_model_parallel_ddp": ["same outputs: True", "test accuracy:",
+                              "largest difference between the loss curves"],
+}
+
+
+def read(path):
+    return nbformat.read(path, as_version=4)
+
+
+def clear_notebooks(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "clear_notebooks.py"), *args],
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def jupyter_path(tmp_path_factory):
+    """A folder holding a `python3` kernel that runs this very interpreter.
+
+    Put first on JUPYTER_PATH, it wins over any python3 kernel registered elsewhere (for example
+    with `ipykernel install --user` from another Python), so the notebooks run with the packages
+    the tests run with."""
+    path = tmp_path_factory.mktemp("jupyter")
+    kernel = path / "kernels" / "python3"
+    kernel.mkdir(parents=True)
+    (kernel / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (tests)",
+        "language": "python",
+    }))
+    return path
+
+
+def execute(notebook, cwd, jupyter_path, runs_dir, monkeypatch):
+    """Run every cell in a fresh kernel started in cwd, as Jupyter would; raise at the first
+    cell that fails. The notebook's runs write into runs_dir."""
+    monkeypatch.setenv("JUPYTER_PATH", os.pathsep.join(
+        filter(None, [str(jupyter_path), os.environ.get("JUPYTER_PATH")])))
+    monkeypatch.setenv("DDP_NOTEBOOK_RUNS", str(runs_dir))
+    client = NotebookClient(notebook, kernel_name="python3", timeout=240,
+                            resources={"metadata": {"path": str(cwd)}})
+    client.execute()
+    return notebook
+
+
+def outputs(notebook):
+    return [output for cell in notebook.cells if cell.cell_type == "code"
+            for output in cell.outputs]
+
+
+def test_every_lesson_has_a_notebook():
+    names = [path.stem for path in NOTEBOOKS]
+    assert names == LESSONS, "every lesson NN_name/ needs notebooks/NN_name.ipynb, and only those"
+    assert set(EXPECTED_TEXT) == set(names)
+
+
+def test_stored_without_outputs():
+    result = clear_notebooks("--check")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_clearing_restores_a_notebook_that_was_run(tmp_path):
+    # The guard must bite: what a run leaves in a notebook is reported, and clearing it gives
+    # back the stored file byte for byte, the collapsed answers included.
+    stored = NOTEBOOKS[0]
+    notebook = read(stored)
+    for number, cell in enumerate(c for c in notebook.cells if c.cell_type == "code"):
+        cell.execution_count = number + 1
+        cell.outputs = [nbformat.v4.new_output("stream", text="printed\n")]
+        cell.metadata["execution"] = {"shell.execute_reply": "2024-01-01T00:00:00Z"}
+    notebook.metadata["language_info"] = {"name": "python", "version": "3.11.7"}
+    (tmp_path / "notebooks").mkdir()
+    nbformat.write(notebook, tmp_path / "notebooks" / stored.name)
+    result = clear_notebooks("--check", "--root", str(tmp_path))
+    assert result.returncode == 1
+    assert f"not cleared: notebooks/{stored.name}" in result.stdout
+    assert clear_notebooks("--root", str(tmp_path)).returncode == 0
+    assert (tmp_path / "notebooks" / stored.name).read_bytes() == stored.read_bytes()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_what_every_notebook_has(path):
+    notebook = read(path)
+    nbformat.validate(notebook)
+    assert notebook.metadata.kernelspec.name == "python3"
+    code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
+    assert f'LESSON = "{path.stem}"' in code, "the notebook names its lesson"
+    if path.stem != LESSONS[0]:
+        assert "show_diff(LESSON)" in code, "it shows the diff from the lesson it builds on"
+    headings = [cell.source.splitlines()[0] for cell in notebook.cells
+                if cell.cell_type == "markdown"]
+    assert "## Exercises" in headings
+    answers = [i for i, cell in enumerate(notebook.cells) if cell.source == "## Answers"]
+    assert len(answers) == 1 and answers[0] < len(notebook.cells) - 1, "one Answers section"
+    # Every answer is collapsed, so that a learner opens it on purpose.
+    for cell in notebook.cells[answers[0] + 1:]:
+        assert cell.metadata.get("jupyter", {}).get("source_hidden"), (
+            f"{path.name}, cell {cell.id}: an answer that is not collapsed")
+
+
+def test_setup_cell_is_the_same_in_every_notebook():
+    # Copied on purpose, so that each notebook stands alone; this keeps the copies from drifting.
+    setups = {path.name: next(c.source for c in read(path).cells if c.id == "setup")
+              for path in NOTEBOOKS}
+    first = setups[NOTEBOOKS[0].name]
+    for name, source in setups.items():
+        assert source == first, f"{name}'s setup cell differs from {NOTEBOOKS[0].name}'s"
+
+
+def test_setup_finds_the_repository_from_anywhere_inside_it(jupyter_path, tmp_path,
+                                                            monkeypatch):
+    # Started in the repository root (the notebook runs below start in notebooks/), then moved
+    # to a folder below the root, then outside the repository.
+    setup = next(c for c in read(NOTEBOOKS[0]).cells if c.id == "setup")
+    notebook = nbformat.v4.new_notebook(cells=[
+        setup,
+        nbformat.v4.new_code_cell("print(ROOT)"),
+        nbformat.v4.new_code_cell("os.chdir(ROOT / '01_single_gpu'); print(find_root())"),
+        nbformat.v4.new_code_cell(
+            f"os.chdir({str(tmp_path)!r})\n"
+            "try:\n    find_root()\nexcept FileNotFoundError as error:\n    print(error)"),
+    ])
+    execute(notebook, ROOT, jupyter_path, tmp_path, monkeypatch)
+    printed = [output.text.strip() for output in outputs(notebook)]
+    assert printed[:2] == [str(ROOT), str(ROOT)]
+    assert "start Jupyter inside the repository" in printed[2]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_top_to_bottom(path, jupyter_path, tmp_path, monkeypatch):
+    # From notebooks/, where `jupyter lab notebooks/` starts a kernel.
+    notebook = execute(read(path), NOTEBOOK_DIR, jupyter_path, tmp_path, monkeypatch)
+    everything = outputs(notebook)
+    figures = [o for o in everything if "image/png" in o.get("data", {})]
+    assert figures, f"{path.name} drew no figure"
+    printed = "".join(o.text for o in everything if o.output_type == "stream")
+    # It ran its lesson's script as a separate process, and that printed its results.
+    for fragment in [f"$ python {path.stem}/train.py", *EXPECTED_TEXT[path.stem]]:
+        assert fragment in printed, f"{path.name} did not print {fragment!r}"
