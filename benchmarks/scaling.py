@@ -635,14 +635,14 @@ def parse_args(argv=None):
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--batch-size", type=int, default=None,
-                        help="samples per step per rank (default 32; quick: 8)")
+                        help="samples per step per rank (default 16; quick: 8)")
     parser.add_argument("--image-size", type=int, default=None,
                         help="side of ResNet-18's random images (default 112; quick: 64)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps for ResNet-18 and the knobs (default 20; quick: 5)")
+                        help="timed steps for ResNet-18 and the knobs (default 15; quick: 10)")
     parser.add_argument("--mlp-steps", type=int, default=None,
                         help="timed steps for the wine MLP, whose steps take well under a "
-                             "millisecond (default 500; quick: 100)")
+                             "millisecond (default 500; quick: 200)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps before each timing (default 3; quick: 2)")
     parser.add_argument("--knobs", default=",".join(KNOBS),
@@ -660,8 +660,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
 
     quick = args.quick
-    defaults = {"batch_size": (32, 8), "image_size": (112, 64), "steps": (20, 5),
-                "mlp_steps": (500, 100), "warmup": (3, 2), "allreduce_iters": (20, 5),
+    defaults = {"batch_size": (16, 8), "image_size": (112, 64), "steps": (15, 10),
+                "mlp_steps": (500, 200), "warmup": (3, 2), "allreduce_iters": (20, 5),
                 "allreduce_sizes": ("4K,64K,1M,16M,64M", "4K,1M,16M")}
     for name, (full, short) in defaults.items():
         if getattr(args, name) is None:
