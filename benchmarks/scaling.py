@@ -1,0 +1,698 @@
+"""Benchmark: what DDP buys on the hardware at hand, side by side with the alternatives.
+
+Lesson 02's set-up (mp.spawn, one process group, threads split between ranks, gloo on the CPU,
+NCCL with one GPU per rank), used to measure instead of to train. For each world size 1..N it
+trains two models for a fixed number of steps, warm-up excluded, and reports samples per second:
+the lesson's 13->64->3 wine MLP (which will not speed up) and a torchvision ResNet-18 on random
+images (which can). Beside them: the plain model without DDP (DDP's own overhead), one process
+using every core (the honest answer on a laptop), on GPUs nn.DataParallel on the same GPUs, the
+DDP knobs that matter, and the all-reduce bandwidth of the backend. Nothing is downloaded.
+
+Run it:
+    python benchmarks/scaling.py --quick                  # about a minute on a 2-core laptop
+    python benchmarks/scaling.py                          # the full default, minutes
+    python benchmarks/scaling.py --models resnet18 --max-world-size 4
+    python benchmarks/scaling.py --device cpu             # the CPU cases, even on a GPU node
+    CUDA_VISIBLE_DEVICES=0,1 python benchmarks/scaling.py # NCCL DDP and DataParallel, 1-2 GPUs
+
+It writes results.json and results.csv (one row per training case), allreduce.json and
+allreduce.csv (one row per message size), run.json (machine, command, load) and scaling.png
+into --out-dir.
+"""
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import socket
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+MODELS = ("wine-mlp", "resnet18")
+KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "fp16_hook", "bf16_hook",
+         "no_sync")
+ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "backend", "device",
+              "threads_per_rank", "batch_per_rank", "global_batch", "accumulate", "steps",
+              "warmup", "seconds", "samples_per_s", "speedup", "efficiency", "vs_default")
+BANDWIDTH_FIELDS = ("backend", "device", "world_size", "size_bytes", "iters", "seconds_per_op",
+                    "algbw_GBps", "busbw_GBps")
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup helpers
+# ---------------------------------------------------------------------------------------------
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def cpu_cores():
+    """The cores this process may run on (a container or taskset may allow fewer than exist)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def find_free_port():
+    # Port 0 asks the operating system for any free port: one fresh port per world size, so a
+    # group that is still closing cannot collide with the next one.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def setup_process_group(rank, world_size, backend, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    if backend == "nccl":
+        # One GPU per rank, chosen before anything touches CUDA (see lesson 02).
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    # The timeout bounds every collective: a rank whose peer died fails after it instead of
+    # waiting forever.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def synchronize(device, devices=1):
+    # CUDA runs asynchronously: without waiting for the GPU, the clock would stop while the
+    # work is still queued. DataParallel keeps several GPUs busy, so wait for each of them.
+    if device.type == "cuda":
+        for index in range(devices):
+            torch.cuda.synchronize(index if devices > 1 else device)
+
+
+def slowest(seconds, device):
+    """The largest of the ranks' times: a step is only done when the slowest rank is done."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def load_average():
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown CPU"
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and models
+# ---------------------------------------------------------------------------------------------
+def make_batch(model_name, batch, image_size, device, seed):
+    """One fixed batch of random inputs, reused every step.
+
+    Throughput does not depend on the values, and a fixed batch keeps data loading out of the
+    measurement: what is timed is the model, the optimizer and DDP's communication."""
+    generator = torch.Generator().manual_seed(seed)
+    if model_name == "wine-mlp":
+        features = torch.randn(batch, 13, generator=generator)  # 13 measurements per wine
+        labels = torch.randint(0, 3, (batch,), generator=generator)
+    else:
+        features = torch.randn(batch, 3, image_size, image_size, generator=generator)
+        labels = torch.randint(0, 10, (batch,), generator=generator)
+    return features.to(device), labels.to(device)
+
+
+class WineMLP(nn.Module):
+    """Lesson 01's model: 13 measurements -> 64 hidden units -> 3 cultivars."""
+
+    def __init__(self, in_features=13, hidden=64, classes=3):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def build_model(model_name):
+    torch.manual_seed(0)  # the same initial weights on every rank
+    if model_name == "wine-mlp":
+        return WineMLP()
+    # Imported here, not at the top: every spawned rank imports this file again, and a run
+    # without ResNet-18 need not pay for torchvision's import in each of them.
+    from torchvision.models import resnet18
+
+    return resnet18(num_classes=10)  # 11.2 M parameters, 44.7 MB of fp32 gradients a step
+
+
+def wrap_model(model, case, device):
+    """The model as the case runs it: plain, DDP with the case's knob, or DataParallel."""
+    if case["case"] == "dataparallel":
+        # One process drives every GPU: it copies the model to each GPU at every forward pass
+        # and gathers the outputs on the first; the classic comparison with DDP.
+        return nn.DataParallel(model, device_ids=list(range(case["world_size"])))
+    if case["case"] in ("plain", "single-process-all-cores"):
+        return model
+    knob, value = case["knob"], case["knob_value"]
+    options = {}
+    if knob == "bucket_cap_mb":
+        options["bucket_cap_mb"] = float(value)  # gradients per all-reduce (default 25 MB)
+    elif knob == "gradient_as_bucket_view":
+        options["gradient_as_bucket_view"] = True  # grads live in the buckets: no copy
+    elif knob == "static_graph":
+        options["static_graph"] = True  # the same parameters are used every step
+    ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    **options)
+    if knob in ("fp16_hook", "bf16_hook"):
+        # Compress each gradient bucket to 16 bits before the all-reduce and back after it:
+        # half the bytes on the wire, a little precision lost.
+        hook = (default_hooks.fp16_compress_hook if knob == "fp16_hook"
+                else default_hooks.bf16_compress_hook)
+        ddp_model.register_comm_hook(state=None, hook=hook)
+    return ddp_model
+
+
+# ---------------------------------------------------------------------------------------------
+# The measured cases
+# ---------------------------------------------------------------------------------------------
+def time_training(model, batch, steps, warmup, accumulate, device, devices):
+    """Seconds for `steps` forward+backward passes after `warmup` untimed ones.
+
+    With accumulate > 1, gradients of `accumulate` micro-batches add up before one optimizer
+    step, and DDP's no_sync skips the all-reduce on all but the last of them."""
+    features, labels = batch
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        for micro in range(accumulate):
+            skip_sync = micro < accumulate - 1
+            with model.no_sync() if skip_sync else nullcontext():
+                F.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+
+    # The first steps are slow (memory allocation, DDP's first-step bookkeeping, CUDA kernel
+    # selection) and would make a short run look slower than a long one: leave them out.
+    for _ in range(warmup):
+        step()
+    synchronize(device, devices)
+    dist.barrier()  # start the clock on every rank at once
+    start = time.perf_counter()
+    for _ in range(steps // accumulate):
+        step()
+    synchronize(device, devices)
+    return time.perf_counter() - start
+
+
+def run_training_case(case, device):
+    model = wrap_model(build_model(case["model"]).to(device), case, device)
+    devices = case["world_size"] if case["case"] == "dataparallel" else 1
+    batch = make_batch(case["model"], case["batch_per_rank"] * devices, case["image_size"],
+                       device, seed=dist.get_rank())
+    seconds = time_training(model, batch, case["steps"], case["warmup"], case["accumulate"],
+                            device, devices)
+    seconds = slowest(seconds, device)
+    samples = case["global_batch"] * (case["steps"] // case["accumulate"]) * case["accumulate"]
+    row = {field: case.get(field) for field in ROW_FIELDS}
+    row.update(seconds=seconds, samples_per_s=samples / seconds)
+    return row
+
+
+def run_allreduce_case(case, device, groups):
+    """Time all-reduces of one message size, the way nccl-tests does.
+
+    algbw = bytes / time per all-reduce. busbw = algbw * 2(n-1)/n: a ring all-reduce sends and
+    receives 2(n-1)/n of the message per rank, so busbw is what each link carried, comparable
+    across world sizes and with the hardware's link speed. With n = 1 nothing crosses a link."""
+    group = groups[case["backend"]]
+    tensor_device = device if case["device"] == "cuda" else torch.device("cpu")
+    tensor = torch.zeros(case["size_bytes"] // 4, dtype=torch.float32, device=tensor_device)
+    for _ in range(case["warmup"]):
+        dist.all_reduce(tensor, group=group)
+    synchronize(tensor_device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(case["iters"]):
+        dist.all_reduce(tensor, group=group)
+    synchronize(tensor_device)
+    per_op = slowest(time.perf_counter() - start, device) / case["iters"]
+    n = case["world_size"]
+    algbw = case["size_bytes"] / per_op / 1e9
+    row = {field: case.get(field) for field in BANDWIDTH_FIELDS}
+    row.update(seconds_per_op=per_op, algbw_GBps=algbw,
+               busbw_GBps=algbw * 2 * (n - 1) / n if n > 1 else None)
+    return row
+
+
+def describe(case):
+    if case["case"] == "allreduce":
+        return (f"all-reduce {case['backend']} on {case['device']} ws={case['world_size']} "
+                f"{format_bytes(case['size_bytes'])}")
+    name = case["case"] if case["knob"] is None else f"{case['knob']}={case['knob_value']}"
+    return (f"{case['model']} {name} ws={case['world_size']} "
+            f"({case['threads_per_rank']} thread(s)/rank, batch {case['batch_per_rank']}/rank)")
+
+
+def worker(rank, world_size, backend, cases, total, args, partial_path):
+    """What mp.spawn runs in each rank: every case of this world size, in order."""
+    try:
+        device = setup_process_group(rank, world_size, backend, args.timeout)
+        # NCCL versus gloo on the same GPU tensors needs a second group; every rank creates it.
+        groups = {backend: None}
+        if backend == "nccl" and any(case.get("backend") == "gloo" for case in cases):
+            groups["gloo"] = dist.new_group(backend="gloo")
+        rows = []
+        for case in cases:
+            torch.set_num_threads(case["threads_per_rank"])
+            if case["case"] == "allreduce":
+                row = run_allreduce_case(case, device, groups)
+                result = (f"busbw {row['busbw_GBps']:.3f} GB/s" if row["busbw_GBps"] is not None
+                          else f"algbw {row['algbw_GBps']:.3f} GB/s (busbw N/A with 1 rank)")
+            else:
+                row = run_training_case(case, device)
+                result = f"{row['samples_per_s']:.1f} samples/s"
+            rows.append(row)
+            if rank == 0:
+                print(f"[{case['index']}/{total}] {describe(case)} ... {result}", flush=True)
+        if rank == 0:
+            with open(partial_path, "w") as f:
+                json.dump(rows, f)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # As in lesson 02: gloo's threads can abort a finished rank at interpreter exit (torch 2.14),
+    # so flush and leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_world_size(world_size, backend, cases, total, args):
+    """Start world_size ranks for these cases; wait for them, bounded; return their rows."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(find_free_port())
+    partial_path = os.path.join(args.out_dir, f".rows-ws{world_size}.json")
+    if os.path.exists(partial_path):
+        os.remove(partial_path)
+    threads = cases[0]["threads_per_rank"]
+    print(f"world size {world_size}: starting {world_size} rank(s) ({backend}, {threads} "
+          f"thread(s) per rank) for {len(cases)} case(s)", flush=True)
+    context = mp.spawn(worker, args=(world_size, backend, cases, total, args, partial_path),
+                       nprocs=world_size, join=False)
+    # Every case may take up to --timeout seconds; past that, stop the ranks instead of hanging.
+    deadline = time.monotonic() + args.timeout * (len(cases) + 1)
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                fail(f"world size {world_size} took longer than {args.timeout} s per case; the "
+                     "ranks were stopped. Is the machine busy? Try --quick or a larger --timeout")
+    except mp.ProcessRaisedException as error:
+        print(error, file=sys.stderr)
+        fail(f"rank {error.error_index} failed at world size {world_size} (its traceback is "
+             "above); the other ranks were stopped")
+    except mp.ProcessExitedException as error:
+        fail(f"rank {error.error_index} died with exit code {error.exit_code} at world size "
+             f"{world_size} (killed, or out of memory?); the other ranks were stopped")
+    with open(partial_path) as f:
+        rows = json.load(f)
+    os.remove(partial_path)
+    return rows
+
+
+def plan_cases(args, device_type, cores):
+    """Every measurement, grouped by the world size whose ranks run it: {world_size: [case]}."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    world_sizes = range(1, args.max_world_size + 1)
+    plan = {world_size: [] for world_size in world_sizes}
+
+    def training(model, case, world_size, threads=None, batch=None, knob=None, value=None,
+                 accumulate=1, run_in=None):
+        batch = batch or args.batch_size
+        steps = args.steps if model == "resnet18" else args.mlp_steps
+        plan[run_in or world_size].append({
+            "case": case, "model": model, "knob": knob,
+            "knob_value": None if value is None else str(value), "world_size": world_size,
+            "backend": backend, "device": device_type,
+            # The ranks share the cores evenly, so that more ranks do not simply mean more
+            # threads than cores fighting each other. 1 rank gets every core.
+            "threads_per_rank": threads or max(1, cores // world_size),
+            "batch_per_rank": batch, "global_batch": batch * world_size, "accumulate": accumulate,
+            # no_sync runs as many forward/backward passes as the others, in fewer steps.
+            "steps": max(steps // accumulate, 1) * accumulate, "warmup": args.warmup,
+            "image_size": args.image_size,
+        })
+
+    for model in args.models:
+        training(model, "plain", 1)
+        for world_size in world_sizes:
+            training(model, "ddp", world_size)
+        if device_type == "cpu":
+            # One process with every core and the largest DDP run's global batch: the same work
+            # per step, without DDP. On a laptop this is the number to beat.
+            training(model, "single-process-all-cores", 1, threads=cores,
+                     batch=args.batch_size * args.max_world_size)
+        else:
+            for gpus in world_sizes:
+                # One process drives `gpus` GPUs, so it runs with the single-rank group; its
+                # world_size column counts GPUs, to line it up with DDP on as many.
+                training(model, "dataparallel", gpus, threads=cores, run_in=1)
+    knob_model = "resnet18" if "resnet18" in args.models else args.models[0]
+    top = args.max_world_size
+    for knob in args.knobs:
+        if knob == "bucket_cap_mb":
+            for megabytes in (1, 100):
+                training(knob_model, "ddp", top, knob=knob, value=megabytes)
+        elif knob == "no_sync":
+            training(knob_model, "ddp", top, knob=knob, value=args.accumulate,
+                     accumulate=args.accumulate)
+        else:
+            training(knob_model, "ddp", top, knob=knob, value=True)
+
+    # Bandwidth where a link is crossed (2+ ranks); with a single rank or GPU, at 1 rank so the
+    # figure exists, with busbw reported as N/A.
+    bandwidth_sizes = [w for w in world_sizes if w > 1] or [1]
+    backends = ["nccl", "gloo"] if device_type == "cuda" else ["gloo"]
+    for world_size in bandwidth_sizes:
+        for bw_backend in backends:
+            for size in args.allreduce_sizes:
+                plan[world_size].append({
+                    "case": "allreduce", "backend": bw_backend, "device": device_type,
+                    "world_size": world_size, "size_bytes": size, "iters": args.allreduce_iters,
+                    "warmup": 2, "threads_per_rank": max(1, cores // world_size)})
+    index = 0
+    for world_size in world_sizes:
+        for case in plan[world_size]:
+            index += 1
+            case["index"] = index
+    return {world_size: cases for world_size, cases in plan.items() if cases}, backend
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: speed-ups, files, table, plot
+# ---------------------------------------------------------------------------------------------
+def add_speedups(rows):
+    """Speed-up against DDP with 1 rank; efficiency against ideal linear scaling."""
+    for row in rows:
+        base = next((r for r in rows if r["model"] == row["model"] and r["case"] == "ddp"
+                     and r["knob"] is None and r["world_size"] == 1), None)
+        default = next((r for r in rows if r["model"] == row["model"] and r["case"] == "ddp"
+                        and r["knob"] is None and r["world_size"] == row["world_size"]), None)
+        if base:
+            row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
+            # Ideal: N ranks (or GPUs) do N times the work of one, efficiency 1.0. A single
+            # process has no N to divide by.
+            if row["case"] in ("ddp", "dataparallel"):
+                row["efficiency"] = row["speedup"] / row["world_size"]
+        if default and row["knob"] is not None:
+            row["vs_default"] = row["samples_per_s"] / default["samples_per_s"]
+    return rows
+
+
+def write_rows(rows, fields, stem, out_dir):
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_bytes(size):
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size} B"
+
+
+def number(value, spec):
+    return "N/A" if value is None else format(value, spec)
+
+
+def print_tables(rows, bandwidth_rows):
+    print("\nTraining throughput (speed-up against DDP with 1 rank; efficiency = speed-up / "
+          "world size; vs default = against DDP with default settings at the same world size)")
+    header = (f"{'model':9} {'case':30} {'ws':>3} {'thr':>4} {'batch':>6} {'samples/s':>10} "
+              f"{'speed-up':>9} {'effic.':>7} {'vs default':>10}")
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        name = row["case"] if row["knob"] is None else f"{row['knob']}={row['knob_value']}"
+        print(f"{row['model']:9} {name:30} {row['world_size']:3d} {row['threads_per_rank']:4d} "
+              f"{row['global_batch']:6d} {row['samples_per_s']:10.1f} "
+              f"{number(row['speedup'], '9.2f'):>9} {number(row['efficiency'], '7.2f'):>7} "
+              f"{number(row['vs_default'], '10.2f'):>10}")
+    for model in dict.fromkeys(row["model"] for row in rows):
+        plain = [r for r in rows if r["model"] == model and r["case"] == "plain"]
+        ddp = [r for r in rows if r["model"] == model and r["case"] == "ddp"
+               and r["knob"] is None]
+        if plain and ddp:
+            ratio = ddp[0]["samples_per_s"] / plain[0]["samples_per_s"]
+            print(f"{model}: DDP at world size 1 runs at {ratio:.0%} of the plain model's "
+                  "samples/s (the wrapper's own cost: nobody to talk to)")
+        best = max((r for r in rows if r["model"] == model and r["knob"] is None),
+                   key=lambda r: r["samples_per_s"])
+        print(f"{model}: fastest is {best['case']} with world size {best['world_size']}, "
+              f"{best['samples_per_s']:.1f} samples/s")
+    if bandwidth_rows:
+        print("\nAll-reduce bandwidth (algbw = bytes / time; busbw = algbw * 2(n-1)/n, as "
+              "nccl-tests defines it; N/A with 1 rank)")
+        header = (f"{'backend':8} {'device':6} {'ws':>3} {'size':>10} {'time/op':>11} "
+                  f"{'algbw GB/s':>11} {'busbw GB/s':>11}")
+        print(header)
+        print("-" * len(header))
+        for row in bandwidth_rows:
+            print(f"{row['backend']:8} {row['device']:6} {row['world_size']:3d} "
+                  f"{format_bytes(row['size_bytes']):>10} "
+                  f"{row['seconds_per_op'] * 1e3:8.3f} ms {row['algbw_GBps']:11.3f} "
+                  f"{number(row['busbw_GBps'], '11.3f'):>11}")
+
+
+def plot(rows, bandwidth_rows, path):
+    # Imported here: only the launching process plots, and the ranks skip matplotlib's import.
+    import matplotlib
+
+    matplotlib.use("Agg")  # write a file; no window, no display needed
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    panels = len(models) + (1 if bandwidth_rows else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=False):
+        mine = [r for r in rows if r["model"] == model and r["knob"] is None]
+        ddp = sorted((r for r in mine if r["case"] == "ddp"), key=lambda r: r["world_size"])
+        sizes = [r["world_size"] for r in ddp]
+        ax.plot(sizes, [r["samples_per_s"] for r in ddp], "o-", label="DDP")
+        ax.plot(sizes, [ddp[0]["samples_per_s"] * w for w in sizes], "k--", alpha=0.5,
+                label="ideal linear scaling")
+        dataparallel = sorted((r for r in mine if r["case"] == "dataparallel"),
+                              key=lambda r: r["world_size"])
+        if dataparallel:
+            ax.plot([r["world_size"] for r in dataparallel],
+                    [r["samples_per_s"] for r in dataparallel], "s-", label="DataParallel")
+        for row, style in ((r, ":") for r in mine if r["case"] != "ddp"
+                           and r["case"] != "dataparallel"):
+            ax.axhline(row["samples_per_s"], linestyle=style,
+                       color="tab:green" if row["case"] == "plain" else "tab:red",
+                       label=f"{row['case']} ({row['threads_per_rank']} threads, "
+                             f"batch {row['global_batch']})")
+        ax.set_title(f"{model} ({ddp[0]['device']}, {ddp[0]['backend']})")
+        ax.set_xlabel("world size (ranks; GPUs for DataParallel)")
+        ax.set_ylabel("samples / s")
+        ax.set_xticks(sizes)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    if bandwidth_rows:
+        ax = axes[0][-1]
+        series = dict.fromkeys((r["backend"], r["device"], r["world_size"])
+                               for r in bandwidth_rows)
+        for backend, device, world_size in series:
+            mine = [r for r in bandwidth_rows if (r["backend"], r["device"], r["world_size"])
+                    == (backend, device, world_size)]
+            key = "busbw_GBps" if world_size > 1 else "algbw_GBps"
+            ax.plot([r["size_bytes"] for r in mine], [r[key] for r in mine], "o-",
+                    label=f"{backend} {device} ws={world_size} ({key.split('_')[0]})")
+        ax.set_xscale("log", base=2)
+        ax.set_title("all-reduce bandwidth")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("GB/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def main(args):
+    start = time.time()
+    load_start = load_average()
+    cores = cpu_cores()
+    gpus = torch.cuda.device_count()
+    device_type = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
+    plan, backend = plan_cases(args, device_type, cores)
+    total = sum(len(cases) for cases in plan.values())
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    print(f"machine: {cpu_name()}, {cores} cores, {gpus} GPU(s); torch {torch.__version__}; "
+          f"load average {load_start}", flush=True)
+    if device_type == "cpu":
+        reason = ("no CUDA GPU is visible (torch.cuda.device_count() == 0)" if gpus == 0
+                  else "--device cpu was given")
+        print(f"GPU cases (NCCL DDP, DataParallel, NCCL vs gloo on GPU tensors) skipped: "
+              f"{reason}", flush=True)
+    if args.quick:
+        print("quick mode: few steps and small inputs, so the figures are rough; run without "
+              "--quick for the full measurement", flush=True)
+    if "resnet18" in args.models:
+        print(f"resnet18: random {args.image_size}x{args.image_size} images, batch "
+              f"{args.batch_size} per rank, {args.steps} timed steps after {args.warmup} "
+              "warm-up steps", flush=True)
+    if "wine-mlp" in args.models:
+        print(f"wine-mlp: random 13-feature rows, batch {args.batch_size} per rank, "
+              f"{args.mlp_steps} timed steps after {args.warmup} warm-up steps", flush=True)
+    print(f"{total} cases over world sizes 1..{args.max_world_size} ({backend})", flush=True)
+
+    results = []
+    for world_size, cases in plan.items():
+        results += run_world_size(world_size, backend, cases, total, args)
+    rows = add_speedups([r for r in results if "samples_per_s" in r])
+    bandwidth_rows = [r for r in results if "algbw_GBps" in r]
+
+    write_rows(rows, ROW_FIELDS, "results", args.out_dir)
+    write_rows(bandwidth_rows, BANDWIDTH_FIELDS, "allreduce", args.out_dir)
+    plot(rows, bandwidth_rows, os.path.join(args.out_dir, "scaling.png"))
+    run_info = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "cpu": cpu_name(), "cores": cores,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
+        "torch": torch.__version__, "python": sys.version.split()[0],
+        "load_average_start": load_start, "load_average_end": load_average(),
+        "wall_seconds": time.time() - start,
+        "settings": {k: v for k, v in vars(args).items()},
+    }
+    with open(os.path.join(args.out_dir, "run.json"), "w") as f:
+        json.dump(run_info, f, indent=2)
+    print_tables(rows, bandwidth_rows)
+    print(f"\ndone in {run_info['wall_seconds']:.0f} s; load average now "
+          f"{run_info['load_average_end']} | results in {args.out_dir}", flush=True)
+
+
+def parse_size(text):
+    """'4K', '1M', '64M' or a number of bytes -> bytes."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.isdigit() or int(digits) * scale < 4:
+        fail(f"--allreduce-sizes: {text!r} is not a size; use bytes or K/M/G, e.g. 4K,1M,64M")
+    return int(digits) * scale // 4 * 4  # whole float32 elements
+
+
+def parse_list(text, allowed, flag):
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if items == ["none"]:
+        return []
+    unknown = [item for item in items if item not in allowed]
+    if unknown or not items:
+        fail(f"{flag}: unknown {', '.join(unknown) or 'empty list'}; choose from "
+             f"{','.join(allowed)}" + (" or none" if flag == "--knobs" else ""))
+    return items
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Measure DDP's samples/s for world sizes 1..N next to a plain model, one "
+                    "process with every core (CPU) or DataParallel (GPUs), DDP's knobs and the "
+                    "all-reduce bandwidth. Every timing excludes the warm-up steps.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help="small inputs and few steps: about a minute on a 2-core laptop; "
+                             "sets the defaults below marked (quick: ...)")
+    parser.add_argument("--out-dir", default="runs/benchmarks",
+                        help="folder for results.json/.csv, allreduce.json/.csv, run.json and "
+                             "scaling.png")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: CUDA (NCCL, DataParallel) when GPUs are visible, else CPU "
+                             "(gloo)")
+    parser.add_argument("--max-world-size", type=int, default=None,
+                        help="measure world sizes 1..N (default: one per GPU, or one per CPU "
+                             "core)")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, from {','.join(MODELS)}")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="samples per step per rank (default 16; quick: 8)")
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="side of ResNet-18's random images (default 112; quick: 64)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps for ResNet-18 and the knobs (default 15; quick: 10)")
+    parser.add_argument("--mlp-steps", type=int, default=None,
+                        help="timed steps for the wine MLP, whose steps take well under a "
+                             "millisecond (default 500; quick: 200)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps before each timing (default 3; quick: 2)")
+    parser.add_argument("--knobs", default=",".join(KNOBS),
+                        help="DDP settings to measure at the largest world size, comma-separated, "
+                             "or none")
+    parser.add_argument("--accumulate", type=int, default=4,
+                        help="micro-batches per optimizer step for the no_sync knob")
+    parser.add_argument("--allreduce-sizes", default=None,
+                        help="all-reduce message sizes (default 4K,64K,1M,16M,64M; quick: "
+                             "4K,1M,16M)")
+    parser.add_argument("--allreduce-iters", type=int, default=None,
+                        help="timed all-reduces per size (default 20; quick: 5)")
+    parser.add_argument("--timeout", type=int, default=300,
+                        help="seconds any one case may take before the ranks are stopped")
+    args = parser.parse_args(argv)
+
+    quick = args.quick
+    defaults = {"batch_size": (16, 8), "image_size": (112, 64), "steps": (15, 10),
+                "mlp_steps": (500, 200), "warmup": (3, 2), "allreduce_iters": (20, 5),
+                "allreduce_sizes": ("4K,64K,1M,16M,64M", "4K,1M,16M")}
+    for name, (full, short) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, short if quick else full)
+    args.models = parse_list(args.models, MODELS, "--models")
+    args.knobs = parse_list(args.knobs, KNOBS, "--knobs")
+    args.allreduce_sizes = [parse_size(s.strip()) for s in args.allreduce_sizes.split(",")
+                            if s.strip()]
+
+    gpus = torch.cuda.device_count()
+    if args.device == "cuda" and gpus == 0:
+        fail("--device cuda needs a CUDA GPU and none is visible; use --device cpu")
+    if args.device == "cuda" and not dist.is_nccl_available():
+        fail("--device cuda needs NCCL, which this torch build lacks; use --device cpu")
+    on_gpus = args.device == "cuda" or (args.device == "auto" and gpus > 0)
+    if args.max_world_size is None:
+        args.max_world_size = gpus if on_gpus else cpu_cores()
+    if on_gpus and args.max_world_size > gpus:
+        fail(f"--max-world-size {args.max_world_size} needs as many GPUs (one per rank), but "
+             f"{gpus} visible; use --max-world-size {gpus} or --device cpu")
+    for name in ("max_world_size", "batch_size", "image_size", "steps", "mlp_steps",
+                 "accumulate", "allreduce_iters", "timeout"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if args.warmup < 0:
+        fail(f"--warmup must be 0 or more (got {args.warmup})")
+    if "resnet18" in args.models and args.image_size < 32:
+        fail(f"--image-size {args.image_size} is too small for ResNet-18's five halvings; "
+             "use 32 or more")
+    return args
+
+
+if __name__ == "__main__":
+    main(parse_args())
