@@ -112,7 +112,6 @@ def setup_process_group(rank, world_size, backend, dev0):
     if backend == "nccl":
         # Pin this process to its first GPU before anything touches CUDA. Without it every rank
         # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
-        # NCCL's collectives (the gradient all-reduce included) then run on this GPU.
         torch.cuda.set_device(device)
     else:
         # The ranks share the machine's cores: give each its share of threads, or they all
@@ -120,8 +119,10 @@ def setup_process_group(rank, world_size, backend, dev0):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, cores // world_size))
     # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            device_id=device if backend == "nccl" else None)
+    # No device_id here, unlike lesson 02: it would bind NCCL to dev0 alone, and NCCL refuses
+    # any collective on another GPU ("backend constrained to cuda:0"). DDP all-reduces each
+    # gradient on the GPU it lives on, so fc2's runs on dev1; NCCL keeps a communicator per GPU.
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     return device
 
 
@@ -235,7 +236,7 @@ class Trainer:
         # every rank takes the step one process with world_size times the batch would take.
         loss.backward()
         self.optimizer.step()
-        # The running totals live on the first device, where NCCL's all-reduce expects them.
+        # The running totals live on the first device, with the rest of this rank's bookkeeping.
         return loss.detach().to(self.device)
 
     def train_epoch(self, epoch):
