@@ -123,3 +123,27 @@ def test_torchrun_starts_the_ranks_instead_of_spawn(tmp_path):
 def test_world_size_zero_gets_one_clear_line(tmp_path):
     result = run_lesson(LESSON, *CPU, "--world-size", 0, "--out-dir", tmp_path)
     assert_one_line_error(result, "--world-size must be at least 1")
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_nccl_group_is_not_bound_to_one_gpu_when_a_rank_spans_two(monkeypatch, gpus):
+    # With device_id, init_process_group binds the NCCL group to that one GPU, and NCCL then
+    # refuses every collective on another ("backend constrained to cuda:0"): DDP's all-reduce
+    # of fc2's gradients runs on dev1. Recorded here without a GPU: what setup_process_group
+    # asks of torch for each rank of the plan for this many GPUs.
+    lesson = import_lesson(LESSON)
+    pinned, joined = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pinned.append(device))
+    monkeypatch.setattr(lesson.dist, "init_process_group",
+                        lambda *args, **kwargs: joined.append((args, kwargs)))
+    world_size, devices, _ = lesson.plan_devices(gpus)
+    for rank, (dev0, dev1) in enumerate(devices):
+        assert dev0 != dev1  # this rank spans two GPUs
+        device = lesson.setup_process_group(rank, world_size, "nccl", dev0)
+        assert device == torch.device(dev0)
+    # Each rank's default GPU is its first one, and no rank's group is bound to it.
+    assert pinned == [torch.device(dev0) for dev0, _ in devices]
+    assert len(joined) == world_size
+    for args, kwargs in joined:
+        assert args[:1] == ("nccl",) or kwargs.get("backend") == "nccl"
+        assert kwargs.get("device_id") is None, kwargs
