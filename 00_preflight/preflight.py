@@ -259,6 +259,7 @@ def plan(facts):
     # commands then say gloo, and two processes.
     on_cpu = " --backend gloo" if gpus else ""
     per_node = " --nproc-per-node 2" if gpus else ""
+    two_ranks = " --world-size 2" if gpus else ""
     port = "" if facts["multi_node_port_free"] else f" --master-port {facts['spare_port']}"
     wanted = [
         ("01_single_gpu", "cpu", [f"{python} 01_single_gpu/train.py"
@@ -274,8 +275,9 @@ def plan(facts):
          [f"{torchrun} --standalone --nproc-per-node 2 03_multi_node/train.py{on_cpu}"],
          "the same job started by torchrun", cpu_ok),
         ("04_checkpointing", "cpu",
-         [f"{python} 04_checkpointing/train.py --save-every 2 --crash-at-epoch 3{on_cpu}",
-          f"{python} 04_checkpointing/train.py --save-every 2{on_cpu}"],
+         [f"{python} 04_checkpointing/train.py --save-every 2 --crash-at-epoch 3{two_ranks}"
+          f"{on_cpu}",
+          f"{python} 04_checkpointing/train.py --save-every 2{two_ranks}{on_cpu}"],
          "the first run stops at epoch 3; the second resumes from its snapshot", cpu_ok),
         ("05_model_parallel_ddp", "cpu",
          [f"{python} 05_model_parallel_ddp/train.py --world-size 2{on_cpu}"],

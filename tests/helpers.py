@@ -14,6 +14,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count()
+# The environment of a machine without GPUs: with CUDA_VISIBLE_DEVICES empty, torch sees none,
+# so a lesson run with it takes its CPU defaults (2 gloo ranks) on any machine, GPUs or not.
+NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None):

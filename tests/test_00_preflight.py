@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import GPUS, ROOT, assert_one_line_error, import_lesson
+from helpers import GPUS, NO_GPUS, ROOT, assert_one_line_error, import_lesson
 
 SCRIPT = str(ROOT / "00_preflight" / "preflight.py")
 
@@ -91,12 +92,14 @@ def test_listed_commands_are_valid_for_their_lessons(preflight):
     assert checked >= 5
 
 
-@pytest.mark.skipif(GPUS > 0, reason="this machine has GPUs; test_gpu_commands checks them")
 def test_without_gpus_the_gpu_commands_are_left_out_with_the_reason(preflight):
-    assert status_line(preflight.stdout, "cuda")[0] in ("SKIP", "FAIL")
-    assert status_line(preflight.stdout, "nccl group")[0] == "SKIP"
-    assert "every lesson, GPU: " in preflight.stdout
-    assert "--backend gloo" not in preflight.stdout  # the CPU is the default here
+    # On a GPU machine, the same run with the GPUs hidden is what a CPU machine sees.
+    result = preflight if GPUS == 0 else run_preflight(env={**os.environ, **NO_GPUS})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert status_line(result.stdout, "cuda")[0] in ("SKIP", "FAIL")
+    assert status_line(result.stdout, "nccl group")[0] == "SKIP"
+    assert "every lesson, GPU: " in result.stdout
+    assert "--backend gloo" not in result.stdout  # the CPU is the default here
 
 
 def test_the_slurm_line_follows_whether_sbatch_exists(preflight):
@@ -148,10 +151,16 @@ def test_bad_input_gets_one_clear_line(args, fragment):
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS == 0, reason="needs CUDA GPUs and NCCL")
 def test_gpu_commands(preflight):
-    assert status_line(preflight.stdout, "cuda")[0] == "OK"
+    assert preflight.returncode == 0, preflight.stdout + preflight.stderr
+    assert status_line(preflight.stdout, "cuda")[1].startswith(f"{GPUS} GPU(s): ")
     status, detail = status_line(preflight.stdout, "nccl group")
     assert status == "OK", detail
-    assert "02_multi_gpu_spawn, GPU" in preflight.stdout
+    # One process per GPU, two at most: ranks 0 and 1 all_reduce [1] and [2].
+    world = min(GPUS, 2)
+    assert f"{world} processes met at" in detail
+    assert f"all_reduce gave {world * (world + 1) // 2} on every rank" in detail
+    assert f"02_multi_gpu_spawn, GPU, {GPUS} rank(s), one per GPU, NCCL" in preflight.stdout
+    assert f"--standalone --nproc-per-node {GPUS} 03_multi_node/train.py" in preflight.stdout
     # On a GPU machine the CPU commands must say gloo, or the lessons would pick NCCL.
     assert "02_multi_gpu_spawn/train.py --world-size 2 --backend gloo" in preflight.stdout
 
@@ -204,6 +213,13 @@ def test_plan_on_a_machine_with_four_gpus(full_repository):
             "--backend gloo") in commands_for(can, "03_multi_node", "cpu")
     assert commands_for(can, "01_single_gpu", "cpu") == [
         "python 01_single_gpu/train.py --device cpu"]
+    # Lesson 04's default world size is also one rank per GPU, with --backend gloo too.
+    assert commands_for(can, "04_checkpointing", "cpu") == [
+        "python 04_checkpointing/train.py --save-every 2 --crash-at-epoch 3 --world-size 2 "
+        "--backend gloo",
+        "python 04_checkpointing/train.py --save-every 2 --world-size 2 --backend gloo"]
+    assert commands_for(can, "05_model_parallel_ddp", "cpu") == [
+        "python 05_model_parallel_ddp/train.py --world-size 2 --backend gloo"]
     assert not [entry for entry in cannot if entry["where"] == "gpu"]
 
 

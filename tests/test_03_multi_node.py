@@ -252,8 +252,8 @@ def test_bad_input_gets_one_clear_line(tmp_path, args, fragments):
 
 def test_master_nobody_listens_on_fails_within_the_timeout(tmp_path):
     start = time.monotonic()
-    result = run_lesson(LESSON, *CPU, "--nnodes", 2, "--node-rank", 1, "--master-port",
-                        free_port(), "--timeout", 2, "--out-dir", tmp_path)
+    result = run_lesson(LESSON, *CPU, "--nnodes", 2, "--node-rank", 1, "--nproc-per-node", 2,
+                        "--master-port", free_port(), "--timeout", 2, "--out-dir", tmp_path)
     assert_one_line_error(result, "nothing answered at 127.0.0.1", "within 2 s",
                           "start node 0 first")
     assert time.monotonic() - start < 30

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import (
+    NO_GPUS,
     ROOT,
     assert_good_run,
     assert_one_line_error,
@@ -62,8 +63,11 @@ def crashed(lesson_run):
 
 
 def test_default_run_writes_a_snapshot_and_a_final_model(lesson_run):
-    result, out_dir = lesson_run(LESSON, *CPU)
+    # No flags, GPUs hidden: a CPU machine's default, 2 gloo ranks, on any machine (test_gpu.py
+    # runs it with the GPUs visible).
+    result, out_dir = lesson_run(LESSON, env=NO_GPUS)
     metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("gloo", "cpu")
     assert (metrics["resumed_after_epoch"], metrics["launcher"]) == (0, "spawn")
     saved = snapshot(out_dir)
     assert sorted(saved) == ["epochs_completed", "model", "optimizer", "train_loss", "world_size"]

@@ -1,10 +1,16 @@
 """The GPU tier: the lessons on CUDA with NCCL. Skipped, with the reason, where there are no GPUs.
 
-One GPU: every NCCL run uses world size 1. Two or more: world size 2 as well."""
+First every lesson as a learner on this machine first runs it, with no arguments: what its
+defaults must give for this machine's GPU count (the preflight's GPU run is
+test_00_preflight.py::test_gpu_commands). Then the NCCL paths with flags: one GPU, and with two
+or more GPUs, world size 2 as well."""
 
+import os
+import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import (
     GPUS,
@@ -27,12 +33,70 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine ha
 NCCL_WORLD = min(GPUS, 2)
 
 
-def test_lesson01_trains_on_the_gpu(lesson_run):
-    result, out_dir = lesson_run("01_single_gpu", "--device", "cuda")
+# --- every lesson with no arguments ----------------------------------------------------------
+def test_lesson01_default_trains_on_the_gpu(lesson_run):
+    result, out_dir = lesson_run("01_single_gpu")
     metrics = assert_good_run(result, out_dir, world_size=1, min_accuracy=0.95)
     assert metrics["device"] == "cuda"
 
 
+@pytest.mark.parametrize("lesson", ["02_multi_gpu_spawn", "04_checkpointing"])
+def test_default_is_one_nccl_rank_per_gpu(lesson_run, lesson):
+    result, out_dir = lesson_run(lesson)
+    metrics = assert_good_run(result, out_dir, world_size=GPUS, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert f"starting {GPUS} ranks (nccl)" in result.stdout
+    assert "note:" not in result.stdout  # nothing fell back to the CPU
+    # The weights every rank trained on its own GPU are the ones rank 0 saved.
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def test_lesson03_default_is_one_node_of_one_nccl_process_per_gpu(lesson_run):
+    result, out_dir = lesson_run("03_multi_node")
+    metrics = assert_good_run(result, out_dir, world_size=GPUS, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"], metrics["launcher"]) == (
+        "nccl", "cuda", "spawn")
+    assert (metrics["nnodes"], metrics["nproc_per_node"]) == (1, GPUS)
+    assert [r["local_rank"] for r in metrics["ranks"]] == list(range(GPUS))
+
+
+def test_lesson04_default_snapshot_is_written_from_rank_0s_gpu(lesson_run):
+    _, out_dir = lesson_run("04_checkpointing")
+    # Loaded without map_location, the tensors go back where they were saved from: rank 0's
+    # GPU. Resuming maps them to each rank's own (test_lesson04_resumes_on_the_gpu_bitwise).
+    saved = torch.load(out_dir / "snapshot.pt", weights_only=True)
+    assert (saved["epochs_completed"], saved["world_size"]) == (20, GPUS)
+    assert saved["model"]["fc1.weight"].device == torch.device("cuda", 0)
+
+
+def test_lesson05_default_follows_the_plan_for_this_gpu_count(lesson_run):
+    # The plan, written out: one GPU holds both stages of one rank; otherwise a rank per pair
+    # of GPUs, rank r on cuda:2r and cuda:2r+1, and an odd GPU left idle.
+    world_size = 1 if GPUS == 1 else GPUS // 2
+    first_pair = ["cuda:0", "cuda:0"] if GPUS == 1 else ["cuda:0", "cuda:1"]
+    result, out_dir = lesson_run("05_model_parallel_ddp")
+    metrics = assert_good_run(result, out_dir, world_size=world_size, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert metrics["stage_devices"] == first_pair
+    if GPUS == 1:
+        assert "both stages of the model share cuda:0" in result.stdout
+    elif GPUS % 2:
+        assert f"cuda:{GPUS - 1} stays idle" in result.stdout
+    else:
+        assert "note:" not in result.stdout
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def test_more_ranks_than_gpus_fall_back_to_gloo_and_say_so(lesson_run):
+    result, out_dir = lesson_run("02_multi_gpu_spawn", "--world-size", GPUS + 1, "--epochs", 2)
+    assert result.returncode == 0, result.stderr
+    assert f"note: {GPUS + 1} ranks but {GPUS} GPU(s)" in result.stdout
+    metrics = read_metrics(out_dir)
+    assert (metrics["world_size"], metrics["backend"], metrics["device"]) == (
+        GPUS + 1, "gloo", "cpu")
+
+
+# --- the NCCL paths, with flags --------------------------------------------------------------
 def test_lesson01_device_flag_overrides_the_gpu(lesson_run):
     result, out_dir = lesson_run("01_single_gpu", "--device", "cpu", "--epochs", 2)
     assert result.returncode == 0, result.stderr
@@ -84,6 +148,24 @@ def test_lesson05_four_gpus_make_two_ranks_of_two(lesson_run):
     result, out_dir = lesson_run("05_model_parallel_ddp", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
     assert metrics["stage_devices"] == ["cuda:0", "cuda:1"]  # rank 0's pair; rank 1 has 2 and 3
+
+
+@needs_two
+def test_lesson05_under_torchrun_plans_the_gpus_of_its_node(tmp_path):
+    # torchrun starts the ranks; each finds its pair by its local rank.
+    nproc = min(GPUS // 2, 2)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(nproc), str(ROOT / "05_model_parallel_ddp" / "train.py"), "--epochs", "5",
+         "--out-dir", str(tmp_path)],
+        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+        timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = read_metrics(tmp_path)
+    assert (metrics["world_size"], metrics["backend"]) == (nproc, "nccl")
+    assert metrics["stage_devices"] == ["cuda:0", "cuda:1"]
+    assert evaluate_single_process(tmp_path) == (metrics["test_correct"], 36)
 
 
 def test_lesson05_more_ranks_than_gpu_pairs_is_refused(tmp_path):

@@ -95,8 +95,7 @@ def test_weights_only_refuses_a_namespace():
 def test_map_location():
     out = run_demo("map_location.py")
     if GPUS == 0:
-        assert ("Attempting to deserialize object on a CUDA device but "
-                "torch.cuda.is_available() is False") in out
+        assert "Attempting to deserialize object on a CUDA device" in out
     elif GPUS == 1:
         assert "Attempting to deserialize object on CUDA device 1" in out
     else:
@@ -113,7 +112,9 @@ def test_uneven_inputs_hang_and_join():
 
 def test_spawn_from_a_notebook():
     out = run_demo("notebook_spawn.py")
-    assert "AttributeError: Can't get attribute 'worker' on <module '__main__' (built-in)>" in out
+    # Python's own words, which differ between versions after the first few: match those.
+    assert "AttributeError: Can't get attribute 'worker'" in out
+    assert "symptom: the new processes cannot find worker" in out
     assert "ProcessExitedException" in out
     assert "hello from rank 0; hello from rank 1" in out
     assert "fix: both ranks ran" in out
