@@ -10,6 +10,7 @@ Run it, by hand, one command per node (the script spawns that node's processes):
     python 03_multi_node/train.py                              # one node, as in lesson 02
     python 03_multi_node/train.py --nnodes 2 --node-rank 0     # two "nodes" on this machine:
     python 03_multi_node/train.py --nnodes 2 --node-rank 1     # run each in its own terminal
+    # (with GPUs, add --backend gloo to both: the two would share GPUs, which NCCL refuses)
     # two machines, node 0 at 10.0.0.1: on node 0 (and the same with --node-rank 1 on node 1)
     python 03_multi_node/train.py --nnodes 2 --node-rank 0 --master-addr 10.0.0.1
 With torchrun, which starts the processes itself (the script then does not spawn):

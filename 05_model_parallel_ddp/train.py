@@ -115,9 +115,11 @@ def setup_process_group(rank, world_size, backend, dev0):
         torch.cuda.set_device(device)
     else:
         # The ranks share the machine's cores: give each its share of threads, or they all
-        # start one thread per core and spend their time fighting over them.
+        # start one thread per core and spend their time fighting over them. Under torchrun on
+        # several machines only LOCAL_WORLD_SIZE of the ranks are on this one.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, cores // world_size))
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, cores // ranks_here))
     # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens.
     # No device_id here, unlike lesson 02: it would bind NCCL to dev0 alone, and NCCL refuses
     # any collective on another GPU ("backend constrained to cuda:0"). DDP all-reduces each

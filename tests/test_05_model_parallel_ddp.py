@@ -147,3 +147,18 @@ def test_nccl_group_is_not_bound_to_one_gpu_when_a_rank_spans_two(monkeypatch, g
     for args, kwargs in joined:
         assert args[:1] == ("nccl",) or kwargs.get("backend") == "nccl"
         assert kwargs.get("device_id") is None, kwargs
+
+
+def test_cpu_ranks_share_the_cores_of_their_own_machine(monkeypatch):
+    # Under torchrun on 2 machines of 2 ranks each, a rank shares its machine's cores with 1
+    # other rank, not with 3: LOCAL_WORLD_SIZE, not the world size, divides them.
+    lesson = import_lesson(LESSON)
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(lesson.dist, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(lesson.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    lesson.setup_process_group(3, 4, "gloo", "cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    lesson.setup_process_group(3, 4, "gloo", "cpu")  # mp.spawn: every rank is on this machine
+    assert threads == [4, 2]
