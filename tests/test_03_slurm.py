@@ -141,3 +141,65 @@ def test_failing_training_fails_the_job(cluster, tmp_path):
     assert returncode != 0, output
     assert "error: training failed" in output, output
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+# Holds a port in the network namespace it runs in until its stdin closes, as another job's
+# rendezvous would; it hangs up on whoever connects, so a job that tries to use the port fails
+# at once rather than waiting for an answer.
+HOLD_PORT = """
+import socket, sys, threading
+server = socket.socket()
+server.bind(("", int(sys.argv[1])))
+server.listen()
+print("listening", flush=True)
+def hang_up():
+    while True:
+        server.accept()[0].close()
+threading.Thread(target=hang_up, daemon=True).start()
+sys.stdin.read()
+"""
+# An nvidia-smi that lists 4 GPUs: a GPU node's, where the job asked Slurm for none.
+FOUR_GPUS = "#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: NVIDIA H100 (UUID: GPU-$i)\"; done\n"
+
+
+def next_job_id(env):
+    """The id Slurm gives the next job: a job submitted on hold, then cancelled, is the one
+    before it (job ids count up by one)."""
+    held = subprocess.run(["sbatch", "--hold", "--parsable", "--wrap", "true"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=30)
+    assert held.returncode == 0, held.stderr
+    job_id = int(held.stdout.strip().split(";")[0])
+    subprocess.run(["scancel", str(job_id)], env=env, timeout=30)
+    return job_id + 1
+
+
+def test_a_job_uses_only_what_it_asked_for_on_a_shared_gpu_node(cluster, tmp_path):
+    # Two things of other jobs on the same nodes, which this job must leave alone:
+    # - GPUs: the nodes have 4 (an nvidia-smi that lists them is on the PATH), but the job
+    #   asked Slurm for none (no --gres). It must run the CPU default, 2 gloo processes a node.
+    # - A port: a process on the first node, where the rendezvous runs, listens on the port
+    #   29500 + job id % 1000, as another job 1000 ids before this one would. The job must
+    #   find a free port instead, not fail on a busy one.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FOUR_GPUS)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**cluster, "PATH": f"{bin_dir}{os.pathsep}{cluster['PATH']}"}
+    job_id = next_job_id(env)
+    busy_port = 29500 + job_id % 1000
+    holder = subprocess.Popen(["ip", "netns", "exec", "ddp-node1", sys.executable, "-c",
+                               HOLD_PORT, str(busy_port)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "listening"
+        returncode, output = submit(env, tmp_path, "--epochs", 2, "--out-dir", tmp_path / "run")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    assert f"job {job_id}: " in output, output  # the job whose port was taken
+    assert returncode == 0, f"{output}\n{log_tails(cluster['DDP_SLURM_DIR'])}"
+    port = int(re.search(r"rendezvous at [\d.]+:(\d+)", output).group(1))
+    assert port != busy_port
+    assert "x 2 processes, 0 GPU(s) a node, backend gloo" in output
+    metrics = read_metrics(tmp_path / "run")
+    assert (metrics["world_size"], metrics["backend"]) == (4, "gloo")
