@@ -1,7 +1,7 @@
 """The GPU tier: the lessons on CUDA with NCCL. Skipped, with the reason, where there are no GPUs.
 
-First every lesson as a learner on this machine first runs it, with no arguments: what its
-defaults must give for this machine's GPU count (the preflight's GPU run is
+First every lesson as a learner first runs it, with no arguments: what its defaults must give
+for this machine's GPU count (the preflight's GPU run is
 test_00_preflight.py::test_gpu_commands). Then the NCCL paths with flags: one GPU, and with two
 or more GPUs, world size 2 as well."""
 
@@ -40,10 +40,12 @@ def test_lesson01_default_trains_on_the_gpu(lesson_run):
     assert metrics["device"] == "cuda"
 
 
+# The bar for any number of ranks is the CPU tier's for world sizes other than 2: 90%. (On the
+# CPU, gloo runs of lesson 02 with 1 to 8 ranks all score 35 of the 36 test wines.)
 @pytest.mark.parametrize("lesson", ["02_multi_gpu_spawn", "04_checkpointing"])
 def test_default_is_one_nccl_rank_per_gpu(lesson_run, lesson):
     result, out_dir = lesson_run(lesson)
-    metrics = assert_good_run(result, out_dir, world_size=GPUS, min_accuracy=0.95)
+    metrics = assert_good_run(result, out_dir, world_size=GPUS)
     assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
     assert f"starting {GPUS} ranks (nccl)" in result.stdout
     assert "note:" not in result.stdout  # nothing fell back to the CPU
@@ -53,7 +55,7 @@ def test_default_is_one_nccl_rank_per_gpu(lesson_run, lesson):
 
 def test_lesson03_default_is_one_node_of_one_nccl_process_per_gpu(lesson_run):
     result, out_dir = lesson_run("03_multi_node")
-    metrics = assert_good_run(result, out_dir, world_size=GPUS, min_accuracy=0.95)
+    metrics = assert_good_run(result, out_dir, world_size=GPUS)
     assert (metrics["backend"], metrics["device"], metrics["launcher"]) == (
         "nccl", "cuda", "spawn")
     assert (metrics["nnodes"], metrics["nproc_per_node"]) == (1, GPUS)
@@ -75,7 +77,7 @@ def test_lesson05_default_follows_the_plan_for_this_gpu_count(lesson_run):
     world_size = 1 if GPUS == 1 else GPUS // 2
     first_pair = ["cuda:0", "cuda:0"] if GPUS == 1 else ["cuda:0", "cuda:1"]
     result, out_dir = lesson_run("05_model_parallel_ddp")
-    metrics = assert_good_run(result, out_dir, world_size=world_size, min_accuracy=0.95)
+    metrics = assert_good_run(result, out_dir, world_size=world_size)
     assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
     assert metrics["stage_devices"] == first_pair
     if GPUS == 1:
