@@ -181,6 +181,8 @@ def rank_table(rank, local_rank, node_rank, settings):
     mine = {"rank": rank, "local_rank": local_rank, "node_rank": node_rank,
             "host": socket.gethostname()}
     gathered = [None] * dist.get_world_size()
+    # With NCCL the pickled objects travel on torch.cuda.current_device(), which is why each
+    # rank must have called set_device first (all_gather_object's documentation).
     dist.all_gather_object(gathered, (mine, settings))
     for other, other_settings in gathered:
         for flag, value in other_settings.items():
