@@ -4,12 +4,15 @@ Lesson 02's set-up (mp.spawn, one process group, threads split between ranks, gl
 NCCL with one GPU per rank), used to measure instead of to train. For each world size 1..N it
 trains two models for a fixed number of steps, warm-up excluded, and reports samples per second:
 the lesson's 13->64->3 wine MLP (which will not speed up) and a torchvision ResNet-18 on random
-images (which can). Beside them: the plain model without DDP (DDP's own overhead), one process
-using every core (the honest answer on a laptop), on GPUs nn.DataParallel on the same GPUs, the
-DDP knobs that matter, and the all-reduce bandwidth of the backend. Nothing is downloaded.
+images (which can). Beside them: the plain model without DDP (DDP's own cost at world size 1),
+on the CPU one process using every core (the honest answer on a laptop) and every rank with the
+same few threads (how DDP scales when each rank brings its own cores), on GPUs nn.DataParallel on
+the same 2..N GPUs, the DDP knobs that matter, and the all-reduce bandwidth of the backend.
+On GPUs ResNet-18 runs as it is trained there: 224x224 images, batch 256 per GPU, bf16 autocast,
+channels_last. Nothing is downloaded.
 
 Run it:
-    python benchmarks/scaling.py --quick                  # about a minute on a 2-core laptop
+    python benchmarks/scaling.py --quick                  # about 40 s on a 2-core laptop
     python benchmarks/scaling.py                          # the full default, minutes
     python benchmarks/scaling.py --models resnet18 --max-world-size 4
     python benchmarks/scaling.py --device cpu             # the CPU cases, even on a GPU node
@@ -23,6 +26,7 @@ into --out-dir.
 import argparse
 import csv
 import datetime
+import gc
 import json
 import os
 import socket
@@ -42,8 +46,9 @@ MODELS = ("wine-mlp", "resnet18")
 KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "fp16_hook", "bf16_hook",
          "no_sync")
 ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "backend", "device",
-              "threads_per_rank", "batch_per_rank", "global_batch", "accumulate", "steps",
-              "warmup", "seconds", "samples_per_s", "speedup", "efficiency", "vs_default")
+              "threads_per_rank", "batch_per_rank", "global_batch", "image_size", "precision",
+              "channels_last", "accumulate", "steps", "warmup", "seconds", "samples_per_s",
+              "speedup", "efficiency", "vs_default", "ddp_cost_pct")
 BANDWIDTH_FIELDS = ("backend", "device", "world_size", "size_bytes", "iters", "seconds_per_op",
                     "algbw_GBps", "busbw_GBps")
 
@@ -157,11 +162,56 @@ def build_model(model_name):
     return resnet18(num_classes=10)  # 11.2 M parameters, 44.7 MB of fp32 gradients a step
 
 
+def autocast(case, device):
+    """The forward pass's precision: bf16 autocast, or plain fp32 (no context at all).
+
+    As the AMP docs teach it: forward and loss under torch.autocast, backward outside it (its
+    ops run in the dtypes the forward chose); bf16 has float32's range, so no GradScaler."""
+    if case["precision"] == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+class AutocastForward(nn.Module):
+    """Runs the wrapped model's forward under bf16 autocast in whichever thread calls it.
+
+    Autocast's state, its dtype included, is thread-local, and nn.DataParallel runs each replica
+    in a thread of its own, where it re-enters autocast with enabled=True but no dtype (torch
+    2.14, nn/parallel/parallel_apply.py): the replicas would run CUDA's default float16, not
+    bf16. The AMP docs' rule for DataParallel ("Working with Multiple GPUs"): autocast inside
+    the model's forward."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        with torch.autocast(device_type=x.device.type, dtype=torch.bfloat16):
+            return self.module(x)
+
+
+def prepare(model, features, case, device):
+    """The model and the input batch in the case's memory format, before any wrapper sees them.
+
+    channels_last stores images as N,H,W,C, the layout the GPU's tensor-core convolutions work
+    in, so cuDNN need not transpose each activation. As PyTorch's channels_last tutorial shows,
+    both the model (its 4-D conv weights) and the input are converted; DDP accepts channels_last
+    parameters as long as every rank's have the same strides (its docstring), which they do:
+    every rank converts the same model here, before DDP broadcasts and buckets it."""
+    model = model.to(device)
+    if case["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
+        features = features.contiguous(memory_format=torch.channels_last)
+    return model, features
+
+
 def wrap_model(model, case, device):
     """The model as the case runs it: plain, DDP with the case's knob, or DataParallel."""
     if case["case"] == "dataparallel":
         # One process drives every GPU: it copies the model to each GPU at every forward pass
         # and gathers the outputs on the first; the classic comparison with DDP.
+        if case["precision"] == "bf16":
+            model = AutocastForward(model)
         return nn.DataParallel(model, device_ids=list(range(case["world_size"])))
     if case["case"] in ("plain", "single-process-all-cores"):
         return model
@@ -187,9 +237,11 @@ def wrap_model(model, case, device):
 # ---------------------------------------------------------------------------------------------
 # The measured cases
 # ---------------------------------------------------------------------------------------------
-def time_training(model, batch, steps, warmup, accumulate, device, devices):
+def time_training(model, batch, steps, warmup, accumulate, case, device, devices):
     """Seconds for `steps` forward+backward passes after `warmup` untimed ones.
 
+    Every case, plain model, DDP and DataParallel alike, runs this same loop with the same
+    synchronisation points, so a difference between them is the wrapper's, not the loop's.
     With accumulate > 1, gradients of `accumulate` micro-batches add up before one optimizer
     step, and DDP's no_sync skips the all-reduce on all but the last of them."""
     features, labels = batch
@@ -200,7 +252,9 @@ def time_training(model, batch, steps, warmup, accumulate, device, devices):
         for micro in range(accumulate):
             skip_sync = micro < accumulate - 1
             with model.no_sync() if skip_sync else nullcontext():
-                F.cross_entropy(model(features), labels).backward()
+                with autocast(case, device):
+                    loss = F.cross_entropy(model(features), labels)
+                loss.backward()
         optimizer.step()
 
     # The first steps are slow (memory allocation, DDP's first-step bookkeeping, CUDA kernel
@@ -217,12 +271,13 @@ def time_training(model, batch, steps, warmup, accumulate, device, devices):
 
 
 def run_training_case(case, device):
-    model = wrap_model(build_model(case["model"]).to(device), case, device)
     devices = case["world_size"] if case["case"] == "dataparallel" else 1
-    batch = make_batch(case["model"], case["batch_per_rank"] * devices, case["image_size"],
-                       device, seed=dist.get_rank())
-    seconds = time_training(model, batch, case["steps"], case["warmup"], case["accumulate"],
-                            device, devices)
+    features, labels = make_batch(case["model"], case["batch_per_rank"] * devices,
+                                  case["image_size"], device, seed=dist.get_rank())
+    model, features = prepare(build_model(case["model"]), features, case, device)
+    model = wrap_model(model, case, device)
+    seconds = time_training(model, (features, labels), case["steps"], case["warmup"],
+                            case["accumulate"], case, device, devices)
     seconds = slowest(seconds, device)
     samples = case["global_batch"] * (case["steps"] // case["accumulate"]) * case["accumulate"]
     row = {field: case.get(field) for field in ROW_FIELDS}
@@ -269,6 +324,11 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
     """What mp.spawn runs in each rank: every case of this world size, in order."""
     try:
         device = setup_process_group(rank, world_size, backend, args.timeout)
+        if device.type == "cuda":
+            # Let cuDNN time its convolution algorithms for these shapes once and keep the
+            # fastest, as GPU training scripts do. It tunes during the warm-up steps, and every
+            # case of this process, plain model and DDP alike, runs with it.
+            torch.backends.cudnn.benchmark = True
         # NCCL versus gloo on the same GPU tensors needs a second group; every rank creates it.
         groups = {backend: None}
         if backend == "nccl" and any(case.get("backend") == "gloo" for case in cases):
@@ -283,6 +343,10 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
             else:
                 row = run_training_case(case, device)
                 result = f"{row['samples_per_s']:.1f} samples/s"
+                # Free this case's model, optimizer and activations before the next case
+                # allocates its own, not whenever the garbage collector gets to them: on a GPU
+                # two cases of batch-256 activations need not fit at once. Outside any timing.
+                gc.collect()
             rows.append(row)
             if rank == 0:
                 print(f"[{case['index']}/{total}] {describe(case)} ... {result}", flush=True)
@@ -306,9 +370,8 @@ def run_world_size(world_size, backend, cases, total, args):
     partial_path = os.path.join(args.out_dir, f".rows-ws{world_size}.json")
     if os.path.exists(partial_path):
         os.remove(partial_path)
-    threads = cases[0]["threads_per_rank"]
-    print(f"world size {world_size}: starting {world_size} rank(s) ({backend}, {threads} "
-          f"thread(s) per rank) for {len(cases)} case(s)", flush=True)
+    print(f"world size {world_size}: starting {world_size} rank(s) ({backend}) for "
+          f"{len(cases)} case(s)", flush=True)
     context = mp.spawn(worker, args=(world_size, backend, cases, total, args, partial_path),
                        nprocs=world_size, join=False)
     # Every case may take up to --timeout seconds; past that, stop the ranks instead of hanging.
@@ -323,6 +386,9 @@ def run_world_size(world_size, backend, cases, total, args):
                      "ranks were stopped. Is the machine busy? Try --quick or a larger --timeout")
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
+        if "OutOfMemoryError" in str(error):
+            fail(f"rank {error.error_index} ran out of GPU memory at world size {world_size} "
+                 "(traceback above); use a smaller --batch-size or --image-size")
         fail(f"rank {error.error_index} failed at world size {world_size} (its traceback is "
              "above); the other ranks were stopped")
     except mp.ProcessExitedException as error:
@@ -335,15 +401,21 @@ def run_world_size(world_size, backend, cases, total, args):
 
 
 def plan_cases(args, device_type, cores):
-    """Every measurement, grouped by the world size whose ranks run it: {world_size: [case]}."""
+    """Every measurement, grouped by the world size whose ranks run it.
+
+    Returns ({world_size: [case]}, backend, skipped), where skipped lists the cases left out
+    because they would measure nothing, each with the reason."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     world_sizes = range(1, args.max_world_size + 1)
+    top = args.max_world_size
     plan = {world_size: [] for world_size in world_sizes}
+    skipped = []
 
     def training(model, case, world_size, threads=None, batch=None, knob=None, value=None,
                  accumulate=1, run_in=None):
         batch = batch or args.batch_size
         steps = args.steps if model == "resnet18" else args.mlp_steps
+        images = model == "resnet18"
         plan[run_in or world_size].append({
             "case": case, "model": model, "knob": knob,
             "knob_value": None if value is None else str(value), "world_size": world_size,
@@ -354,7 +426,11 @@ def plan_cases(args, device_type, cores):
             "batch_per_rank": batch, "global_batch": batch * world_size, "accumulate": accumulate,
             # no_sync runs as many forward/backward passes as the others, in fewer steps.
             "steps": max(steps // accumulate, 1) * accumulate, "warmup": args.warmup,
-            "image_size": args.image_size,
+            # bf16 and channels_last are for ResNet-18's images; the MLP measures DDP's fixed
+            # cost per step, in fp32 everywhere.
+            "image_size": args.image_size if images else None,
+            "precision": args.precision if images else "fp32",
+            "channels_last": args.channels_last and images,
         })
 
     for model in args.models:
@@ -365,15 +441,32 @@ def plan_cases(args, device_type, cores):
             # One process with every core and the largest DDP run's global batch: the same work
             # per step, without DDP. On a laptop this is the number to beat.
             training(model, "single-process-all-cores", 1, threads=cores,
-                     batch=args.batch_size * args.max_world_size)
+                     batch=args.batch_size * top)
+            # Every rank with the same few threads, 1 rank as well as N: what DDP scales, each
+            # rank bringing its own cores, as each GPU does. Efficiency = samples/s of N ranks
+            # / (N x samples/s of 1 rank).
+            if top > 1:
+                for world_size in world_sizes:
+                    training(model, "ddp-per-worker", world_size,
+                             threads=args.threads_per_worker)
         else:
-            for gpus in world_sizes:
-                # One process drives `gpus` GPUs, so it runs with the single-rank group; its
-                # world_size column counts GPUs, to line it up with DDP on as many.
+            # One process drives `gpus` GPUs, so it runs with the single-rank group; its
+            # world_size column counts GPUs, to line it up with DDP on as many. On one GPU,
+            # DataParallel calls the model itself (no replica, no thread): no measurement.
+            for gpus in world_sizes[1:]:
                 training(model, "dataparallel", gpus, threads=cores, run_in=1)
+    if device_type == "cpu" and top == 1:
+        skipped.append("per-worker scaling (ddp-per-worker): it compares 1 rank with N; "
+                       "use --max-world-size 2 or more")
+    if device_type == "cuda" and top == 1:
+        skipped.append("nn.DataParallel: on one GPU it calls the model itself, so it would "
+                       "only repeat the plain model; it needs 2 or more GPUs")
+
     knob_model = "resnet18" if "resnet18" in args.models else args.models[0]
-    top = args.max_world_size
-    for knob in args.knobs:
+    if args.knobs and top == 1:
+        skipped.append(f"DDP knobs ({', '.join(args.knobs)}): they change how ranks exchange "
+                       "gradients, and one rank exchanges nothing; they need 2 or more ranks")
+    for knob in args.knobs if top > 1 else []:
         if knob == "bucket_cap_mb":
             for megabytes in (1, 100):
                 training(knob_model, "ddp", top, knob=knob, value=megabytes)
@@ -383,11 +476,13 @@ def plan_cases(args, device_type, cores):
         else:
             training(knob_model, "ddp", top, knob=knob, value=True)
 
-    # Bandwidth where a link is crossed (2+ ranks); with a single rank or GPU, at 1 rank so the
-    # figure exists, with busbw reported as N/A.
-    bandwidth_sizes = [w for w in world_sizes if w > 1] or [1]
+    # Bandwidth only where a link is crossed, at 2+ ranks: with one rank an all-reduce copies
+    # nothing anywhere. On GPUs NCCL and gloo are compared on the same GPU tensors.
     backends = ["nccl", "gloo"] if device_type == "cuda" else ["gloo"]
-    for world_size in bandwidth_sizes:
+    if top == 1:
+        skipped.append("all-reduce bandwidth: one rank has no one to exchange with; it needs "
+                       "2 or more ranks" + (" (GPUs)" if device_type == "cuda" else ""))
+    for world_size in world_sizes[1:]:
         for bw_backend in backends:
             for size in args.allreduce_sizes:
                 plan[world_size].append({
@@ -399,27 +494,39 @@ def plan_cases(args, device_type, cores):
         for case in plan[world_size]:
             index += 1
             case["index"] = index
-    return {world_size: cases for world_size, cases in plan.items() if cases}, backend
+    return {world_size: cases for world_size, cases in plan.items() if cases}, backend, skipped
 
 
 # ---------------------------------------------------------------------------------------------
 # Results: speed-ups, files, table, plot
 # ---------------------------------------------------------------------------------------------
+def find_row(rows, model, case, world_size):
+    """The row of this case at this world size with DDP's default settings (no knob)."""
+    return next((r for r in rows if (r["model"], r["case"], r["world_size"]) ==
+                 (model, case, world_size) and r["knob"] is None), None)
+
+
 def add_speedups(rows):
-    """Speed-up against DDP with 1 rank; efficiency against ideal linear scaling."""
+    """Speed-up and efficiency against one rank, vs_default, and DDP's own cost at 1 rank."""
     for row in rows:
-        base = next((r for r in rows if r["model"] == row["model"] and r["case"] == "ddp"
-                     and r["knob"] is None and r["world_size"] == 1), None)
-        default = next((r for r in rows if r["model"] == row["model"] and r["case"] == "ddp"
-                        and r["knob"] is None and r["world_size"] == row["world_size"]), None)
+        # ddp-per-worker is compared with its own 1 rank of as many threads; every other case
+        # with DDP at 1 rank (on CPU, with every core).
+        base = find_row(rows, row["model"],
+                        "ddp-per-worker" if row["case"] == "ddp-per-worker" else "ddp", 1)
+        default = find_row(rows, row["model"], "ddp", row["world_size"])
+        plain = find_row(rows, row["model"], "plain", 1)
         if base:
             row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
             # Ideal: N ranks (or GPUs) do N times the work of one, efficiency 1.0. A single
             # process has no N to divide by.
-            if row["case"] in ("ddp", "dataparallel"):
+            if row["case"] in ("ddp", "dataparallel", "ddp-per-worker"):
                 row["efficiency"] = row["speedup"] / row["world_size"]
         if default and row["knob"] is not None:
             row["vs_default"] = row["samples_per_s"] / default["samples_per_s"]
+        if plain and row is find_row(rows, row["model"], "ddp", 1):
+            # What wrapping the model in DDP costs when there is nobody to talk to: the same
+            # loop, the same settings, the plain model's samples/s against DDP's.
+            row["ddp_cost_pct"] = 100 * (1 - row["samples_per_s"] / plain["samples_per_s"])
     return rows
 
 
@@ -444,26 +551,44 @@ def number(value, spec):
 
 
 def print_tables(rows, bandwidth_rows):
-    print("\nTraining throughput (speed-up against DDP with 1 rank; efficiency = speed-up / "
-          "world size; vs default = against DDP with default settings at the same world size)")
+    print("\nTraining throughput (speed-up and efficiency = speed-up / world size, against 1 rank "
+          "of DDP, or of ddp-per-worker for its rows; vs default = against DDP with default "
+          "settings at the same world size; DDP cost = 1 - DDP/plain at world size 1)")
     header = (f"{'model':9} {'case':30} {'ws':>3} {'thr':>4} {'batch':>6} {'samples/s':>10} "
-              f"{'speed-up':>9} {'effic.':>7} {'vs default':>10}")
+              f"{'speed-up':>9} {'effic.':>7} {'vs default':>10} {'DDP cost':>8}")
     print(header)
     print("-" * len(header))
     for row in rows:
         name = row["case"] if row["knob"] is None else f"{row['knob']}={row['knob_value']}"
+        cost = "" if row["ddp_cost_pct"] is None else f"{row['ddp_cost_pct']:.1f}%"
         print(f"{row['model']:9} {name:30} {row['world_size']:3d} {row['threads_per_rank']:4d} "
               f"{row['global_batch']:6d} {row['samples_per_s']:10.1f} "
               f"{number(row['speedup'], '9.2f'):>9} {number(row['efficiency'], '7.2f'):>7} "
-              f"{number(row['vs_default'], '10.2f'):>10}")
+              f"{number(row['vs_default'], '10.2f'):>10} {cost:>8}")
+    print()
     for model in dict.fromkeys(row["model"] for row in rows):
-        plain = [r for r in rows if r["model"] == model and r["case"] == "plain"]
-        ddp = [r for r in rows if r["model"] == model and r["case"] == "ddp"
-               and r["knob"] is None]
+        plain = find_row(rows, model, "plain", 1)
+        ddp = find_row(rows, model, "ddp", 1)
         if plain and ddp:
-            ratio = ddp[0]["samples_per_s"] / plain[0]["samples_per_s"]
-            print(f"{model}: DDP at world size 1 runs at {ratio:.0%} of the plain model's "
-                  "samples/s (the wrapper's own cost: nobody to talk to)")
+            print(f"{model}: DDP at world size 1 runs at {ddp['samples_per_s']:.1f} samples/s, "
+                  f"the plain model at {plain['samples_per_s']:.1f}: DDP's own cost is "
+                  f"{ddp['ddp_cost_pct']:.1f}% (nobody to talk to; what is left is the wrapper)")
+        per_worker = sorted((r for r in rows if r["model"] == model
+                             and r["case"] == "ddp-per-worker"), key=lambda r: r["world_size"])
+        if len(per_worker) > 1:
+            one, top = per_worker[0], per_worker[-1]
+            print(f"{model}: per worker ({one['threads_per_rank']} thread(s) per rank), "
+                  f"{top['world_size']} ranks run {top['samples_per_s']:.1f} samples/s against "
+                  f"{one['samples_per_s']:.1f} for 1 rank: DDP's efficiency "
+                  f"{top['efficiency']:.0%} = {top['samples_per_s']:.1f} / "
+                  f"({top['world_size']} x {one['samples_per_s']:.1f})")
+            all_cores = find_row(rows, model, "single-process-all-cores", 1)
+            shared = find_row(rows, model, "ddp", top["world_size"])
+            if all_cores and shared:
+                print(f"{model}: all cores, one process with {all_cores['threads_per_rank']} "
+                      f"threads and batch {all_cores['global_batch']} runs "
+                      f"{all_cores['samples_per_s']:.1f} samples/s; {shared['world_size']} DDP "
+                      f"ranks sharing the same cores run {shared['samples_per_s']:.1f}")
         best = max((r for r in rows if r["model"] == model and r["knob"] is None),
                    key=lambda r: r["samples_per_s"])
         print(f"{model}: fastest is {best['case']} with world size {best['world_size']}, "
@@ -496,16 +621,26 @@ def plot(rows, bandwidth_rows, path):
         mine = [r for r in rows if r["model"] == model and r["knob"] is None]
         ddp = sorted((r for r in mine if r["case"] == "ddp"), key=lambda r: r["world_size"])
         sizes = [r["world_size"] for r in ddp]
-        ax.plot(sizes, [r["samples_per_s"] for r in ddp], "o-", label="DDP")
+        label = "DDP" if ddp[0]["device"] == "cuda" else "DDP, ranks sharing the cores"
+        ax.plot(sizes, [r["samples_per_s"] for r in ddp], "o-", label=label)
         ax.plot(sizes, [ddp[0]["samples_per_s"] * w for w in sizes], "k--", alpha=0.5,
                 label="ideal linear scaling")
+        per_worker = sorted((r for r in mine if r["case"] == "ddp-per-worker"),
+                            key=lambda r: r["world_size"])
+        if per_worker:
+            threads = per_worker[0]["threads_per_rank"]
+            ax.plot([r["world_size"] for r in per_worker],
+                    [r["samples_per_s"] for r in per_worker], "^-", color="tab:purple",
+                    label=f"DDP, {threads} thread(s) per rank (per worker)")
+            ax.plot(sizes, [per_worker[0]["samples_per_s"] * w for w in sizes], ":",
+                    color="tab:purple", alpha=0.5, label="its ideal linear scaling")
         dataparallel = sorted((r for r in mine if r["case"] == "dataparallel"),
                               key=lambda r: r["world_size"])
         if dataparallel:
             ax.plot([r["world_size"] for r in dataparallel],
                     [r["samples_per_s"] for r in dataparallel], "s-", label="DataParallel")
-        for row, style in ((r, ":") for r in mine if r["case"] != "ddp"
-                           and r["case"] != "dataparallel"):
+        for row, style in ((r, ":") for r in mine
+                           if r["case"] in ("plain", "single-process-all-cores")):
             ax.axhline(row["samples_per_s"], linestyle=style,
                        color="tab:green" if row["case"] == "plain" else "tab:red",
                        label=f"{row['case']} ({row['threads_per_rank']} threads, "
@@ -544,8 +679,8 @@ def main(args):
     load_start = load_average()
     cores = cpu_cores()
     gpus = torch.cuda.device_count()
-    device_type = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
-    plan, backend = plan_cases(args, device_type, cores)
+    device_type = args.device_type
+    plan, backend, skipped = plan_cases(args, device_type, cores)
     total = sum(len(cases) for cases in plan.values())
     os.makedirs(args.out_dir, exist_ok=True)
 
@@ -557,15 +692,22 @@ def main(args):
         print(f"GPU cases (NCCL DDP, DataParallel, NCCL vs gloo on GPU tensors) skipped: "
               f"{reason}", flush=True)
     if args.quick:
-        print("quick mode: few steps and small inputs, so the figures are rough; run without "
-              "--quick for the full measurement", flush=True)
+        print("quick mode: fewer steps (and on the CPU smaller inputs), so the figures are "
+              "rough; run without --quick for the full measurement", flush=True)
     if "resnet18" in args.models:
+        layout = "channels_last" if args.channels_last else "contiguous (NCHW)"
         print(f"resnet18: random {args.image_size}x{args.image_size} images, batch "
               f"{args.batch_size} per rank, {args.steps} timed steps after {args.warmup} "
-              "warm-up steps", flush=True)
+              f"warm-up steps, {args.precision}"
+              f"{' autocast' if args.precision == 'bf16' else ''}, {layout}"
+              f"{', cudnn.benchmark' if device_type == 'cuda' else ''}", flush=True)
+        if args.precision_note:
+            print(args.precision_note, flush=True)
     if "wine-mlp" in args.models:
         print(f"wine-mlp: random 13-feature rows, batch {args.batch_size} per rank, "
               f"{args.mlp_steps} timed steps after {args.warmup} warm-up steps", flush=True)
+    for reason in skipped:
+        print(f"skipped: {reason}", flush=True)
     print(f"{total} cases over world sizes 1..{args.max_world_size} ({backend})", flush=True)
 
     results = []
@@ -613,16 +755,46 @@ def parse_list(text, allowed, flag):
     return items
 
 
+def default_settings(device_type, quick, bf16_supported=False):
+    """The defaults of the flags that depend on the device, as {name: value}.
+
+    CPU: small inputs, so that the full run takes minutes on a 2-core laptop. CUDA: ResNet-18 as
+    it is trained on a GPU, 224x224 images, batch 256 per GPU, bf16 autocast and channels_last,
+    so that a step keeps the GPU busy. A step of 16 small images is over before Python has
+    launched the next kernels: it would time the launches (and make DDP's few hundred
+    microseconds of Python per step look like a quarter of the work), not the GPU."""
+    if device_type == "cuda":
+        # Native bf16 needs compute capability 8.0 (Ampere) or newer; older GPUs stay in fp32.
+        precision = "bf16" if bf16_supported else "fp32"
+        table = {"batch_size": (256, 256), "image_size": (224, 224), "steps": (50, 20),
+                 "warmup": (10, 5), "precision": (precision, precision),
+                 "channels_last": (True, True)}
+    else:
+        table = {"batch_size": (16, 8), "image_size": (112, 64), "steps": (15, 10),
+                 "warmup": (3, 2), "precision": ("fp32", "fp32"),
+                 "channels_last": (False, False)}
+    table.update({"mlp_steps": (500, 200), "allreduce_iters": (20, 5),
+                  "allreduce_sizes": ("4K,64K,1M,16M,64M", "4K,1M,16M")})
+    return {name: quick_value if quick else full for name, (full, quick_value) in table.items()}
+
+
+def cuda_supports_bf16():
+    """Whether GPU 0 runs bf16 natively: compute capability 8.0 (Ampere) or newer, the test
+    torch.cuda.is_bf16_supported(including_emulation=False) makes; ROCm GPUs all do."""
+    return torch.version.hip is not None or torch.cuda.get_device_capability(0)[0] >= 8
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Measure DDP's samples/s for world sizes 1..N next to a plain model, one "
-                    "process with every core (CPU) or DataParallel (GPUs), DDP's knobs and the "
-                    "all-reduce bandwidth. Every timing excludes the warm-up steps.",
+                    "process with every core and ranks of a few threads each (CPU) or "
+                    "DataParallel (GPUs), DDP's knobs and the all-reduce bandwidth. Every "
+                    "timing excludes the warm-up steps.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true",
-                        help="small inputs and few steps: about a minute on a 2-core laptop; "
-                             "sets the defaults below marked (quick: ...)")
+                        help="fewer steps, and on the CPU smaller inputs: about 40 s on a 2-core "
+                             "laptop; sets the defaults below marked (quick: ...)")
     parser.add_argument("--out-dir", default="runs/benchmarks",
                         help="folder for results.json/.csv, allreduce.json/.csv, run.json and "
                              "scaling.png")
@@ -635,16 +807,27 @@ def parse_args(argv=None):
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--batch-size", type=int, default=None,
-                        help="samples per step per rank (default 16; quick: 8)")
+                        help="samples per step per rank (CPU: 16, quick: 8; GPU: 256)")
     parser.add_argument("--image-size", type=int, default=None,
-                        help="side of ResNet-18's random images (default 112; quick: 64)")
+                        help="side of ResNet-18's random images (CPU: 112, quick: 64; GPU: 224)")
+    parser.add_argument("--precision", default=None, choices=["fp32", "bf16"],
+                        help="ResNet-18's forward pass: fp32, or bf16 autocast (CPU: fp32; GPU: "
+                             "bf16 where the GPU runs it natively, compute capability 8.0+)")
+    parser.add_argument("--channels-last", default=None, action=argparse.BooleanOptionalAction,
+                        help="ResNet-18's weights and images in channels_last (N,H,W,C) memory "
+                             "format (CPU: off; GPU: on)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps for ResNet-18 and the knobs (default 15; quick: 10)")
+                        help="timed steps for ResNet-18 and the knobs (CPU: 15, quick: 10; "
+                             "GPU: 50, quick: 20)")
     parser.add_argument("--mlp-steps", type=int, default=None,
                         help="timed steps for the wine MLP, whose steps take well under a "
                              "millisecond (default 500; quick: 200)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed steps before each timing (default 3; quick: 2)")
+                        help="untimed steps before each timing (CPU: 3, quick: 2; GPU: 10, "
+                             "quick: 5)")
+    parser.add_argument("--threads-per-worker", type=int, default=None,
+                        help="CPU threads of each rank in the per-worker case, where 1 rank and "
+                             "N ranks all get this many (default: cores // max world size)")
     parser.add_argument("--knobs", default=",".join(KNOBS),
                         help="DDP settings to measure at the largest world size, comma-separated, "
                              "or none")
@@ -659,31 +842,40 @@ def parse_args(argv=None):
                         help="seconds any one case may take before the ranks are stopped")
     args = parser.parse_args(argv)
 
-    quick = args.quick
-    defaults = {"batch_size": (16, 8), "image_size": (112, 64), "steps": (15, 10),
-                "mlp_steps": (500, 200), "warmup": (3, 2), "allreduce_iters": (20, 5),
-                "allreduce_sizes": ("4K,64K,1M,16M,64M", "4K,1M,16M")}
-    for name, (full, short) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, short if quick else full)
-    args.models = parse_list(args.models, MODELS, "--models")
-    args.knobs = parse_list(args.knobs, KNOBS, "--knobs")
-    args.allreduce_sizes = [parse_size(s.strip()) for s in args.allreduce_sizes.split(",")
-                            if s.strip()]
-
     gpus = torch.cuda.device_count()
     if args.device == "cuda" and gpus == 0:
         fail("--device cuda needs a CUDA GPU and none is visible; use --device cpu")
     if args.device == "cuda" and not dist.is_nccl_available():
         fail("--device cuda needs NCCL, which this torch build lacks; use --device cpu")
-    on_gpus = args.device == "cuda" or (args.device == "auto" and gpus > 0)
+    args.device_type = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
+    on_gpus = args.device_type == "cuda"
+
+    bf16_supported = on_gpus and args.precision != "fp32" and cuda_supports_bf16()
+    if on_gpus and args.precision == "bf16" and not bf16_supported:
+        major, minor = torch.cuda.get_device_capability(0)
+        fail(f"--precision bf16 needs a GPU that runs bf16 natively (compute capability 8.0+, "
+             f"e.g. A100, H100); GPU 0 has {major}.{minor}: use --precision fp32")
+    args.precision_note = None
+    if on_gpus and args.precision is None and not bf16_supported:
+        args.precision_note = ("precision: fp32, since GPU 0 has no native bf16 (compute "
+                               "capability below 8.0)")
+    for name, value in default_settings(args.device_type, args.quick, bf16_supported).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.models = parse_list(args.models, MODELS, "--models")
+    args.knobs = parse_list(args.knobs, KNOBS, "--knobs")
+    args.allreduce_sizes = [parse_size(s.strip()) for s in args.allreduce_sizes.split(",")
+                            if s.strip()]
+
     if args.max_world_size is None:
         args.max_world_size = gpus if on_gpus else cpu_cores()
     if on_gpus and args.max_world_size > gpus:
         fail(f"--max-world-size {args.max_world_size} needs as many GPUs (one per rank), but "
              f"{gpus} visible; use --max-world-size {gpus} or --device cpu")
+    if args.threads_per_worker is None:
+        args.threads_per_worker = max(1, cpu_cores() // max(args.max_world_size, 1))
     for name in ("max_world_size", "batch_size", "image_size", "steps", "mlp_steps",
-                 "accumulate", "allreduce_iters", "timeout"):
+                 "accumulate", "allreduce_iters", "timeout", "threads_per_worker"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
     if args.warmup < 0:

@@ -1,15 +1,22 @@
 """benchmarks/scaling.py, run the way a workshop runs it: --quick, on an even tinier configuration.
 
 The figures themselves depend on the machine; what is checked is that the run finishes, writes
-every file, and that the rows have the documented schema and sensible values."""
+every file, that the rows have the documented schema and that every derived figure (speed-up,
+efficiency, DDP's cost at world size 1) is the documented formula of the measured ones. The GPU
+settings, which no CPU run exercises, are checked on a pretend GPU: the defaults and the plan of
+cases a run on 1 or 2 GPUs would measure, built without touching CUDA."""
 
 import csv
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 from helpers import GPUS, ROOT, assert_one_line_error
 
@@ -19,15 +26,24 @@ TINY = ["--quick", "--image-size", 32, "--batch-size", 2, "--steps", 2, "--warmu
         "--mlp-steps", 10, "--allreduce-sizes", "4K,64K", "--allreduce-iters", 2]
 ROW_TYPES = {"model": str, "case": str, "world_size": int, "backend": str, "device": str,
              "threads_per_rank": int, "batch_per_rank": int, "global_batch": int,
-             "accumulate": int, "steps": int, "warmup": int, "seconds": float,
-             "samples_per_s": float}
-OPTIONAL_FLOATS = ("speedup", "efficiency", "vs_default")
+             "precision": str, "channels_last": bool, "accumulate": int, "steps": int,
+             "warmup": int, "seconds": float, "samples_per_s": float}
+OPTIONAL_FLOATS = ("speedup", "efficiency", "vs_default", "ddp_cost_pct")
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def run_benchmark(*args, timeout=240):
     command = [sys.executable, str(SCRIPT), *map(str, args)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def import_script():
+    """benchmarks/scaling.py as a module, to call its functions without running it."""
+    spec = importlib.util.spec_from_file_location("scaling", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_rows(out_dir, stem):
@@ -67,13 +83,17 @@ def test_rows_have_the_schema(cpu_run):
             assert row[field] is None or isinstance(row[field], float), (field, row)
         assert row["samples_per_s"] > 0, row
         assert (row["backend"], row["device"]) == ("gloo", "cpu")
+        # The CPU keeps fp32 and the default memory format unless told otherwise.
+        assert (row["precision"], row["channels_last"]) == ("fp32", False), row
+        assert row["image_size"] == (32 if row["model"] == "resnet18" else None), row
     assert {row["model"] for row in rows} == {"wine-mlp", "resnet18"}
     for model in ("wine-mlp", "resnet18"):
-        ddp = {r["world_size"] for r in rows if r["model"] == model and r["case"] == "ddp"
-               and r["knob"] is None}
-        assert ddp == {1, 2}, model
+        for case in ("ddp", "ddp-per-worker"):
+            sizes = {r["world_size"] for r in rows if r["model"] == model and r["case"] == case
+                     and r["knob"] is None}
+            assert sizes == {1, 2}, (model, case)
         cases = {r["case"] for r in rows if r["model"] == model}
-        assert {"plain", "ddp", "single-process-all-cores"} <= cases, cases
+        assert cases == {"plain", "ddp", "single-process-all-cores", "ddp-per-worker"}, cases
         base = next(r for r in rows if r["model"] == model and r["case"] == "ddp"
                     and r["world_size"] == 1)
         assert base["speedup"] == pytest.approx(1.0) and base["efficiency"] == pytest.approx(1.0)
@@ -82,13 +102,45 @@ def test_rows_have_the_schema(cpu_run):
 def test_threads_are_split_between_ranks(cpu_run):
     _, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "results")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     for row in rows:
         if row["case"] == "ddp":
-            assert row["threads_per_rank"] == max(1, cores // row["world_size"]), row
+            assert row["threads_per_rank"] == max(1, CORES // row["world_size"]), row
             assert row["global_batch"] == row["batch_per_rank"] * row["world_size"], row
         if row["case"] == "single-process-all-cores":
-            assert (row["threads_per_rank"], row["global_batch"]) == (cores, 4), row
+            assert (row["threads_per_rank"], row["global_batch"]) == (CORES, 4), row
+        if row["case"] == "ddp-per-worker":
+            # 1 rank as well as 2 get the threads of one of 2 ranks: cores // 2.
+            assert row["threads_per_rank"] == max(1, CORES // 2), row
+            assert row["global_batch"] == row["batch_per_rank"] * row["world_size"], row
+
+
+def test_derived_figures_are_their_formulas(cpu_run):
+    """speed-up, efficiency and DDP's cost at world size 1 from the rows' own samples/s."""
+    result, out_dir = cpu_run
+    rows, _ = read_rows(out_dir, "results")
+
+    def find(model, case, world_size):
+        return next(r for r in rows if (r["model"], r["case"], r["world_size"]) ==
+                    (model, case, world_size) and r["knob"] is None)
+
+    for model in ("wine-mlp", "resnet18"):
+        plain, ddp1 = find(model, "plain", 1), find(model, "ddp", 1)
+        cost = 100 * (1 - ddp1["samples_per_s"] / plain["samples_per_s"])
+        assert ddp1["ddp_cost_pct"] == pytest.approx(cost), ddp1
+        printed = re.search(rf"{model}: DDP at world size 1 .* own cost is (-?[\d.]+)%",
+                            result.stdout)
+        assert printed and float(printed[1]) == pytest.approx(cost, abs=0.051), result.stdout
+        for case in ("ddp", "ddp-per-worker"):
+            one, two = find(model, case, 1), find(model, case, 2)
+            # Efficiency = samples/s of N ranks / (N x samples/s of 1 rank of the same case).
+            assert two["efficiency"] == pytest.approx(
+                two["samples_per_s"] / (2 * one["samples_per_s"])), two
+            assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
+        per_worker = find(model, "ddp-per-worker", 2)
+        assert f"DDP's efficiency {per_worker['efficiency']:.0%}" in result.stdout
+    only = [(r["model"], r["case"], r["world_size"]) for r in rows
+            if r["ddp_cost_pct"] is not None]
+    assert only == [("wine-mlp", "ddp", 1), ("resnet18", "ddp", 1)], only
 
 
 def test_every_knob_is_measured_on_resnet18_at_the_largest_world_size(cpu_run):
@@ -125,8 +177,8 @@ def test_allreduce_bandwidth_follows_the_nccl_tests_definition(cpu_run):
 
 def test_progress_and_table_are_printed(cpu_run):
     result, _ = cpu_run
-    assert "[1/17] wine-mlp plain ws=1" in result.stdout, result.stdout
-    assert "[17/17] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
+    assert "[1/21] wine-mlp plain ws=1" in result.stdout, result.stdout
+    assert "[21/21] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
     assert "GPU cases (NCCL DDP, DataParallel, NCCL vs gloo on GPU tensors) skipped" in \
         result.stdout
     assert "Training throughput" in result.stdout and "All-reduce bandwidth" in result.stdout
@@ -143,6 +195,148 @@ def test_bad_input_is_one_line_error(args, fragment, tmp_path):
     assert_one_line_error(result, fragment)
 
 
+def test_defaults_per_device():
+    """GPU-sized work on CUDA; the CPU's small, fast defaults unchanged."""
+    scaling = import_script()
+    pick = ("batch_size", "image_size", "precision", "channels_last", "steps", "warmup")
+
+    def defaults(*args):
+        settings = scaling.default_settings(*args)
+        return tuple(settings[name] for name in pick)
+
+    assert defaults("cuda", False, True) == (256, 224, "bf16", True, 50, 10)
+    assert defaults("cuda", True, True) == (256, 224, "bf16", True, 20, 5)
+    # A GPU without native bf16 (compute capability below 8.0) keeps fp32.
+    assert defaults("cuda", False, False) == (256, 224, "fp32", True, 50, 10)
+    assert defaults("cpu", False) == (16, 112, "fp32", False, 15, 3)
+    assert defaults("cpu", True) == (8, 64, "fp32", False, 10, 2)
+
+
+@pytest.fixture
+def pretend_gpus(monkeypatch):
+    """parse_args and plan_cases as on a machine with n GPUs of compute capability 9.0."""
+    scaling = import_script()
+
+    def with_gpus(count, capability=(9, 0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(scaling.dist, "is_nccl_available", lambda: True)
+        return scaling
+
+    return with_gpus
+
+
+def test_gpu_arguments_default_to_gpu_sized_work(pretend_gpus):
+    scaling = pretend_gpus(2)
+    args = scaling.parse_args([])
+    assert (args.device_type, args.max_world_size) == ("cuda", 2)
+    assert (args.batch_size, args.image_size, args.precision, args.channels_last) == \
+        (256, 224, "bf16", True)
+    args = scaling.parse_args(["--precision", "fp32", "--no-channels-last", "--batch-size", "64",
+                               "--image-size", "112"])
+    assert (args.batch_size, args.image_size, args.precision, args.channels_last) == \
+        (64, 112, "fp32", False)
+    args = scaling.parse_args(["--device", "cpu"])
+    assert (args.device_type, args.batch_size, args.image_size, args.precision,
+            args.channels_last) == ("cpu", 16, 112, "fp32", False)
+
+
+def test_bf16_on_a_gpu_without_it_is_one_line_error(pretend_gpus, capsys):
+    scaling = pretend_gpus(1, capability=(7, 0))
+    args = scaling.parse_args([])
+    assert args.precision == "fp32" and "no native bf16" in args.precision_note
+    with pytest.raises(SystemExit) as exit_info:
+        scaling.parse_args(["--precision", "bf16"])
+    assert str(exit_info.value).startswith("error: --precision bf16 needs")
+    assert "has 7.0: use --precision fp32" in str(exit_info.value)
+
+
+def test_one_gpu_measures_no_dataparallel_no_bandwidth_and_no_knobs(pretend_gpus):
+    scaling = pretend_gpus(1)
+    args = scaling.parse_args([])
+    plan, backend, skipped = scaling.plan_cases(args, "cuda", CORES)
+    cases = [case for cases in plan.values() for case in cases]
+    assert backend == "nccl" and list(plan) == [1]
+    assert {(c["model"], c["case"]) for c in cases} == {
+        (model, case) for model in ("wine-mlp", "resnet18") for case in ("plain", "ddp")}
+    assert all(c["knob"] is None for c in cases)
+    reasons = " | ".join(skipped)
+    for fragment in ("nn.DataParallel", "all-reduce bandwidth", "DDP knobs"):
+        assert fragment in reasons, reasons
+
+
+def test_two_gpus_plan_dataparallel_bandwidth_and_knobs_at_two(pretend_gpus):
+    scaling = pretend_gpus(2)
+    args = scaling.parse_args([])
+    plan, _, skipped = scaling.plan_cases(args, "cuda", CORES)
+    cases = [case for cases in plan.values() for case in cases]
+    assert skipped == []
+    assert {c["world_size"] for c in cases if c["case"] == "dataparallel"} == {2}
+    assert {(c["backend"], c["world_size"]) for c in cases if c["case"] == "allreduce"} == \
+        {("nccl", 2), ("gloo", 2)}
+    assert {c["world_size"] for c in cases if c.get("knob") is not None} == {2}
+    assert not [c for c in cases if c["case"] == "ddp-per-worker"]
+    for case in (c for c in cases if c["case"] != "allreduce"):
+        images = case["model"] == "resnet18"
+        assert (case["batch_per_rank"], case["precision"], case["channels_last"]) == \
+            (256, "bf16" if images else "fp32", images), case
+        assert case["image_size"] == (224 if images else None), case
+
+
+def test_channels_last_converts_the_weights_and_the_images():
+    scaling = import_script()
+    device = torch.device("cpu")
+    features = torch.randn(2, 3, 32, 32)
+    for channels_last in (False, True):
+        model, images = scaling.prepare(scaling.build_model("resnet18"), features,
+                                        {"channels_last": channels_last}, device)
+        assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last) == \
+            channels_last
+        assert images.is_contiguous(memory_format=torch.channels_last) == channels_last
+
+
+def test_autocast_dtype_is_per_thread_so_dataparallel_gets_it_in_forward():
+    """nn.DataParallel runs each replica in a thread of its own and re-enters autocast there
+    without a dtype. Autocast's dtype is thread-local, so a new thread sees CUDA's default,
+    float16, even while the caller asked for bf16 (no GPU needed to see it: it is the state
+    autocast would use). AutocastForward enters bf16 autocast in the calling thread itself."""
+    scaling = import_script()
+    seen = {}
+    before = torch.get_autocast_dtype("cuda")
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        thread = threading.Thread(target=lambda: seen.update(
+            cuda=torch.get_autocast_dtype("cuda")))
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_autocast_dtype("cuda", before)
+    assert seen["cuda"] == torch.float16
+
+    # The wrapper, on the CPU (autocast on its input's device), in a new thread whose default
+    # autocast dtype is float16, as a DataParallel replica's thread is on CUDA: it runs bf16.
+    wrapped = scaling.AutocastForward(torch.nn.Linear(4, 2))
+
+    def replica():
+        torch.set_autocast_dtype("cpu", torch.float16)
+        with torch.autocast("cpu", enabled=True):  # what parallel_apply enters: no dtype
+            seen["out"] = wrapped(torch.randn(3, 4)).dtype
+
+    thread = threading.Thread(target=replica)
+    thread.start()
+    thread.join()
+    assert seen["out"] == torch.bfloat16
+
+    # DataParallel gets the wrapper with bf16, and only then. (Built on the CPU, DataParallel
+    # keeps its module and drives no device; what matters here is what it wraps.)
+    for precision, wrapper in (("bf16", True), ("fp32", False)):
+        case = {"case": "dataparallel", "world_size": 2, "precision": precision}
+        model = scaling.wrap_model(torch.nn.Linear(4, 2), case, torch.device("cpu"))
+        assert isinstance(model, torch.nn.DataParallel)
+        assert isinstance(model.module, scaling.AutocastForward) == wrapper
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU; none is visible on this machine")
 def test_gpu_run_has_nccl_dataparallel_and_gloo_on_gpu_tensors(tmp_path):
@@ -152,8 +346,17 @@ def test_gpu_run_has_nccl_dataparallel_and_gloo_on_gpu_tensors(tmp_path):
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     rows, _ = read_rows(tmp_path, "results")
     assert {(r["backend"], r["device"]) for r in rows} == {("nccl", "cuda")}
+    resnet = [r for r in rows if r["model"] == "resnet18"]
+    bf16 = torch.cuda.get_device_capability(0)[0] >= 8
+    assert {(r["precision"], r["channels_last"]) for r in resnet} == \
+        {("bf16" if bf16 else "fp32", True)}
+    ddp1 = next(r for r in resnet if r["case"] == "ddp" and r["world_size"] == 1)
+    assert isinstance(ddp1["ddp_cost_pct"], float)
+    # DataParallel, knobs and bandwidth only where there are 2 GPUs to measure them on.
     assert {r["world_size"] for r in rows if r["case"] == "dataparallel"} == \
-        set(range(1, world + 1))
+        set(range(2, world + 1))
     assert all(r["samples_per_s"] > 0 for r in rows)
     bandwidth, _ = read_rows(tmp_path, "allreduce")
-    assert {r["backend"] for r in bandwidth} == {"nccl", "gloo"}
+    assert {r["backend"] for r in bandwidth} == ({"nccl", "gloo"} if world > 1 else set())
+    if world == 1:
+        assert "skipped: nn.DataParallel" in result.stdout
