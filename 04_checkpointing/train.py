@@ -662,15 +662,16 @@ def load_same_snapshot(path, expected, device):
             data = f.read()
         seen = hashlib.sha256(data).hexdigest()
     except OSError as error:
-        data, seen = None, f"cannot read it ({error.strerror})"
+        data, seen = None, f"cannot read {path} ({error.strerror})"
     views = [None] * dist.get_world_size()
     dist.all_gather_object(views, (socket.gethostname(), seen))
     for other, (host, other_seen) in enumerate(views):
         if other_seen != expected["sha256"]:
-            what = other_seen if other_seen.startswith("cannot") else "sees another version"
-            sys.exit(f"error: rank {other} (host {host}) {what} of {path}, which rank 0 resumes "
-                     f"from at epoch {expected['epochs_completed'] + 1}; every rank must see "
-                     "the same --out-dir, on a filesystem shared by all nodes"
+            what = (other_seen if other_seen.startswith("cannot read") else
+                    f"sees another version of {path}")
+            sys.exit(f"error: rank {other} (host {host}) {what}, the snapshot that rank 0 "
+                     f"resumes from at epoch {expected['epochs_completed'] + 1}; every rank must "
+                     "see the same --out-dir, on a filesystem shared by all nodes"
                      if dist.get_rank() == 0 else 1)
     # map_location: the tensors were saved from global rank 0's device, so the file says
     # cuda:0. Without it, every rank would load its copy onto cuda:0, crowding that GPU; with
