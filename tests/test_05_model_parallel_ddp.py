@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from helpers import (
+    GPUS,
     ROOT,
     assert_good_run,
     assert_one_line_error,
+    error_lines,
     evaluate_single_process,
     import_lesson,
     max_weight_difference,
     read_metrics,
     run_lesson,
+    run_torchrun,
 )
 
 LESSON = "05_model_parallel_ddp"
@@ -139,7 +142,7 @@ def test_nccl_group_is_not_bound_to_one_gpu_when_a_rank_spans_two(monkeypatch, g
     world_size, devices, _ = lesson.plan_devices(gpus)
     for rank, (dev0, dev1) in enumerate(devices):
         assert dev0 != dev1  # this rank spans two GPUs
-        device = lesson.setup_process_group(rank, world_size, "nccl", dev0)
+        device = lesson.setup_process_group(rank, world_size, "nccl", dev0, 120)
         assert device == torch.device(dev0)
     # Each rank's default GPU is its first one, and no rank's group is bound to it.
     assert pinned == [torch.device(dev0) for dev0, _ in devices]
@@ -158,7 +161,26 @@ def test_cpu_ranks_share_the_cores_of_their_own_machine(monkeypatch):
     monkeypatch.setattr(lesson.dist, "init_process_group", lambda *args, **kwargs: None)
     monkeypatch.setattr(lesson.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    lesson.setup_process_group(3, 4, "gloo", "cpu")
+    lesson.setup_process_group(3, 4, "gloo", "cpu", 120)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    lesson.setup_process_group(3, 4, "gloo", "cpu")  # mp.spawn: every rank is on this machine
+    lesson.setup_process_group(3, 4, "gloo", "cpu", 120)  # mp.spawn: every rank is on this machine
     assert threads == [4, 2]
+
+
+def test_device_plan_under_torchrun_names_torchruns_flag():
+    # Under torchrun the ranks per machine come from torchrun's --nproc-per-node; the script's
+    # --world-size does not apply there, so the fix must not name it.
+    with pytest.raises(ValueError) as error:
+        import_lesson(LESSON).plan_devices(2, 2, "torchrun's --nproc-per-node")
+    assert "torchrun's --nproc-per-node 2 needs 4 GPUs" in str(error.value)
+    assert "use torchrun's --nproc-per-node 1" in str(error.value)
+    assert "--world-size" not in str(error.value)
+
+
+@pytest.mark.skipif(GPUS > 0, reason="this machine has GPUs, so --backend nccl is valid here")
+def test_a_bad_request_under_torchrun_is_said_once_not_once_per_rank(tmp_path):
+    result = run_torchrun(LESSON, "--backend", "nccl", "--out-dir", tmp_path, nproc=2)
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr
+    assert "--backend nccl needs CUDA GPUs" in errors[0]
