@@ -10,11 +10,24 @@ PATCH is one of:
                   the second torch.save of the run writes half its bytes, then its process is
                   killed (SIGKILL), as by a power cut or the out-of-memory killer mid-write
   log-writes      every save_atomically call prints "write <file name> by rank <rank>"
+  count-all-reduces
+                  a DDP communication hook counts the gradient all-reduces; at the end each rank
+                  prints "rank <rank>: <n> gradient all-reduces in <steps> optimizer steps"
+  sync-every-micro-batch
+                  no_sync does nothing: every micro-batch's backward all-reduces (lesson 06)
+  loss-not-divided
+                  each micro-batch's loss is not divided by --accumulate (lesson 06's control)
+  step-every-micro-batch
+                  the optimizer steps after every micro-batch, whose loss is still divided by
+                  --accumulate (lesson 06's control)
+
+Several patches can be combined with commas: count-all-reduces,sync-every-micro-batch.
 
 spawn starts each rank by re-running this file's top level (as __mp_main__), so the patch is
 applied in every rank, not only in the launching process.
 """
 
+import contextlib
 import importlib.util
 import io
 import os
@@ -24,6 +37,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 script, patch = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location("lesson", script)
@@ -67,19 +81,84 @@ def log_writes(obj, path):
     return original_save_atomically(obj, path)
 
 
+all_reduces = 0
+
+
+def counting_hook(state, bucket):
+    """The all-reduce DDP does by default (average over the ranks), counted."""
+    global all_reduces
+    all_reduces += 1
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def counting_ddp(module, **kwargs):
+    model = original_ddp(module, **kwargs)
+    model.register_comm_hook(None, counting_hook)
+    return model
+
+
+def train_and_report(self, max_epochs):
+    losses = original_train(self, max_epochs)
+    print(f"rank {self.rank}: {all_reduces} gradient all-reduces in {self.steps} optimizer "
+          "steps", flush=True)
+    return losses
+
+
+def accumulate_from_argv():
+    arguments = sys.argv[3:]
+    return int(arguments[arguments.index("--accumulate") + 1]) if "--accumulate" in arguments else 1
+
+
+class LossTimes:
+    """torch.nn.functional, with cross_entropy's result multiplied by a factor."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    def cross_entropy(self, *args, **kwargs):
+        return torch.nn.functional.cross_entropy(*args, **kwargs) * self.factor
+
+
+def step_every_micro_batch(self, micro_batches):
+    # The bug: an optimizer step after each micro-batch. Each step sees one micro-batch, so the
+    # lesson divides its loss by 1; LossTimes divides it by K, as the naive loop would.
+    losses = [original_train_step(self, [micro_batch]) * len(micro_batch[1])
+              for micro_batch in micro_batches]
+    return sum(losses) / sum(len(labels) for _, labels in micro_batches)
+
+
 original_train_epoch = lesson.Trainer.train_epoch
+original_train = lesson.Trainer.train
+original_train_step = getattr(lesson.Trainer, "train_step", None)
+original_ddp = lesson.DDP
 original_save = torch.save
 original_save_atomically = getattr(lesson, "save_atomically", None)
-if patch == "no-ddp":
-    lesson.DDP = NoSync
-elif patch == "raise-on-rank-1":
-    lesson.Trainer.train_epoch = raise_on_rank_1
-elif patch == "die-while-saving":
-    torch.save = die_while_saving
-elif patch == "log-writes":
-    lesson.save_atomically = log_writes
-else:
-    sys.exit(f"error: unknown patch {patch!r}")
+for name in patch.split(","):
+    if name == "no-ddp":
+        lesson.DDP = NoSync
+    elif name == "raise-on-rank-1":
+        lesson.Trainer.train_epoch = raise_on_rank_1
+    elif name == "die-while-saving":
+        torch.save = die_while_saving
+    elif name == "log-writes":
+        lesson.save_atomically = log_writes
+    elif name == "count-all-reduces":
+        lesson.DDP = counting_ddp
+        lesson.Trainer.train = train_and_report
+    elif name == "sync-every-micro-batch":
+        original_ddp.no_sync = lambda self: contextlib.nullcontext()
+    elif name == "loss-not-divided":
+        # The lesson weights each micro-batch's loss by its share of the step, 1/K for equal
+        # micro-batches; multiplying by K undoes that.
+        lesson.F = LossTimes(accumulate_from_argv())
+    elif name == "step-every-micro-batch":
+        lesson.F = LossTimes(1 / accumulate_from_argv())
+        lesson.Trainer.train_step = step_every_micro_batch
+    else:
+        sys.exit(f"error: unknown patch {name!r}")
 
 if __name__ == "__main__":
     # sys.argv stays as it is: spawn hands it to the ranks, which need the patch's name.
