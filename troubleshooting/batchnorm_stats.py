@@ -5,9 +5,10 @@ own mean and variance, and under DDP each rank sees only its own part of the glo
 ranks normalise with different statistics, and their running averages (used at evaluation) drift
 apart. DDP then hides part of it: by default (forward_sync_buffers=True; broadcast_buffers in
 older releases) it copies rank 0's buffers to every rank at each forward pass, so the running
-statistics learnt from the other ranks' data are thrown away. nn.SyncBatchNorm computes the statistics over the whole global batch instead;
-it runs only on GPUs (CUDA, and a few other accelerators), so on a CPU this shows the symptom and
-says why the fix cannot run here. See TROUBLESHOOTING.md.
+statistics learnt from the other ranks' data are thrown away. nn.SyncBatchNorm computes the
+statistics over the whole global batch instead; it runs only on GPUs (CUDA, and a few other
+accelerators), so on a CPU this shows the symptom and says why the fix cannot run here. See
+TROUBLESHOOTING.md.
 
     python troubleshooting/batchnorm_stats.py
 """
