@@ -13,21 +13,16 @@ PATCH is one of:
   count-all-reduces
                   a DDP communication hook counts the gradient all-reduces; at the end each rank
                   prints "rank <rank>: <n> gradient all-reduces in <steps> optimizer steps"
-  sync-every-micro-batch
-                  no_sync does nothing: every micro-batch's backward all-reduces (lesson 06)
   loss-not-divided
                   each micro-batch's loss is not divided by --accumulate (lesson 06's control)
   step-every-micro-batch
                   the optimizer steps after every micro-batch, whose loss is still divided by
                   --accumulate (lesson 06's control)
 
-Several patches can be combined with commas: count-all-reduces,sync-every-micro-batch.
-
 spawn starts each rank by re-running this file's top level (as __mp_main__), so the patch is
 applied in every rank, not only in the launching process.
 """
 
-import contextlib
 import importlib.util
 import io
 import os
@@ -136,29 +131,26 @@ original_train_step = getattr(lesson.Trainer, "train_step", None)
 original_ddp = lesson.DDP
 original_save = torch.save
 original_save_atomically = getattr(lesson, "save_atomically", None)
-for name in patch.split(","):
-    if name == "no-ddp":
-        lesson.DDP = NoSync
-    elif name == "raise-on-rank-1":
-        lesson.Trainer.train_epoch = raise_on_rank_1
-    elif name == "die-while-saving":
-        torch.save = die_while_saving
-    elif name == "log-writes":
-        lesson.save_atomically = log_writes
-    elif name == "count-all-reduces":
-        lesson.DDP = counting_ddp
-        lesson.Trainer.train = train_and_report
-    elif name == "sync-every-micro-batch":
-        original_ddp.no_sync = lambda self: contextlib.nullcontext()
-    elif name == "loss-not-divided":
-        # The lesson weights each micro-batch's loss by its share of the step, 1/K for equal
-        # micro-batches; multiplying by K undoes that.
-        lesson.F = LossTimes(accumulate_from_argv())
-    elif name == "step-every-micro-batch":
-        lesson.F = LossTimes(1 / accumulate_from_argv())
-        lesson.Trainer.train_step = step_every_micro_batch
-    else:
-        sys.exit(f"error: unknown patch {name!r}")
+if patch == "no-ddp":
+    lesson.DDP = NoSync
+elif patch == "raise-on-rank-1":
+    lesson.Trainer.train_epoch = raise_on_rank_1
+elif patch == "die-while-saving":
+    torch.save = die_while_saving
+elif patch == "log-writes":
+    lesson.save_atomically = log_writes
+elif patch == "count-all-reduces":
+    lesson.DDP = counting_ddp
+    lesson.Trainer.train = train_and_report
+elif patch == "loss-not-divided":
+    # The lesson weights each micro-batch's loss by its share of the step, 1/K for equal
+    # micro-batches; multiplying by K undoes that.
+    lesson.F = LossTimes(accumulate_from_argv())
+elif patch == "step-every-micro-batch":
+    lesson.F = LossTimes(1 / accumulate_from_argv())
+    lesson.Trainer.train_step = step_every_micro_batch
+else:
+    sys.exit(f"error: unknown patch {patch!r}")
 
 if __name__ == "__main__":
     # sys.argv stays as it is: spawn hands it to the ranks, which need the patch's name.
