@@ -18,6 +18,8 @@ PATCH is one of:
   step-every-micro-batch
                   the optimizer steps after every micro-batch, whose loss is still divided by
                   --accumulate (lesson 06's control)
+  stall-rank-1    rank 1 sleeps for 5 minutes at the start of its second epoch (a rank that
+                  hangs), so its peers wait in their next collective until --timeout
 
 spawn starts each rank by re-running this file's top level (as __mp_main__), so the patch is
 applied in every rank, not only in the launching process.
@@ -28,6 +30,7 @@ import io
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,6 +56,12 @@ class NoSync(nn.Module):
 def raise_on_rank_1(self, epoch):
     if self.rank == 1 and epoch == 1:
         raise RuntimeError("injected failure on rank 1")
+    return original_train_epoch(self, epoch)
+
+
+def stall_rank_1(self, epoch):
+    if self.rank == 1 and epoch == 1:
+        time.sleep(300)
     return original_train_epoch(self, epoch)
 
 
@@ -137,6 +146,8 @@ elif patch == "raise-on-rank-1":
     lesson.Trainer.train_epoch = raise_on_rank_1
 elif patch == "die-while-saving":
     torch.save = die_while_saving
+elif patch == "stall-rank-1":
+    lesson.Trainer.train_epoch = stall_rank_1
 elif patch == "log-writes":
     lesson.save_atomically = log_writes
 elif patch == "count-all-reduces":
