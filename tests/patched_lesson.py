@@ -103,8 +103,10 @@ def counting_ddp(module, **kwargs):
 
 def train_and_report(self, max_epochs):
     losses = original_train(self, max_epochs)
-    print(f"rank {self.rank}: {all_reduces} gradient all-reduces in {self.steps} optimizer "
-          "steps", flush=True)
+    # One write per line: rank 0 prints at the same time, and print writes the newline apart.
+    sys.stdout.write(f"rank {self.rank}: {all_reduces} gradient all-reduces in {self.steps} "
+                     "optimizer steps\n")
+    sys.stdout.flush()
     return losses
 
 

@@ -6,6 +6,7 @@ the end, is skipped with the reason where no CUDA GPU is visible."""
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,12 +54,9 @@ def same_trajectory(a, b, tolerance=1e-5):
 
 def all_reduce_counts(result):
     """{rank: (all-reduces, optimizer steps)} from the count-all-reduces patch's lines."""
-    counts = {}
-    for line in result.stdout.splitlines():
-        if "gradient all-reduces in" in line:
-            words = line.replace(":", "").split()
-            counts[int(words[1])] = (int(words[2]), int(words[6]))
-    return counts
+    found = re.findall(r"rank (\d+): (\d+) gradient all-reduces in (\d+) optimizer steps",
+                       result.stdout)
+    return {int(rank): (int(count), int(steps)) for rank, count, steps in found}
 
 
 @pytest.fixture(scope="module")
