@@ -527,15 +527,16 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
                lost_fix="another rank stopped, or stalled longer than --timeout; its output "
                         "says which"):
     """Around one rank's work: ranks that do not meet, or lose each other, end with one line
-    each; the rank leaves the process group however it ends."""
+    each, and Ctrl-C quietly; the rank leaves the process group however it ends.
+
+    The rank then ends as any Python program does. Lessons written for torch 2.14 once left
+    with os._exit here, against an abort at exit ("terminate called without an active
+    exception"); tools/repro_teardown.py runs this lesson without it and found none (see the
+    README)."""
     try:
         yield
     except KeyboardInterrupt:
-        leave_process(130)  # Ctrl-C reached every process: the launcher says so, once
-    except SystemExit as stop:  # fail() in a rank: its line, then the same way out
-        if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
-        leave_process(stop.code if isinstance(stop.code, int) else 1)
+        sys.exit(130)  # Ctrl-C reached every process: the launcher says so, once
     except Exception as error:
         if not is_lost_contact(error):
             raise  # this rank's own failure: spawn or torchrun shows its traceback
@@ -543,18 +544,14 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
         if not dist.is_initialized():
-            print(f"error: rank {rank}: not all {args.world_size} ranks met at "
-                  f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                  f"{args.timeout:g} s ({reason}); {meet_fix}", file=sys.stderr)
-        else:
-            print(f"error: rank {rank} lost contact with the other ranks ({reason}); "
-                  f"{lost_fix}", file=sys.stderr)
-        leave_process(1)
+            fail(f"rank {rank}: not all {args.world_size} ranks met at "
+                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                 f"{args.timeout:g} s ({reason}); {meet_fix}")
+        fail(f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}")
     finally:
         # Also when training fails, so this rank does not leave its peers hanging.
         if dist.is_initialized():
             dist.destroy_process_group()
-    leave_process(0)
 
 
 def is_lost_contact(error):
@@ -563,18 +560,6 @@ def is_lost_contact(error):
     signs = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting",
              "Broken pipe")
     return isinstance(error, dist.DistError) or any(sign in str(error) for sign in signs)
-
-
-def leave_process(exit_code):
-    """End this rank's process at once: its results are written and its group is left.
-
-    Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
-    tearing them down while Python exits can abort a rank that has finished ("terminate called
-    without an active exception"), failing a job whose results are written. os._exit skips
-    that teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
 
 
 @contextlib.contextmanager

@@ -266,7 +266,7 @@ def test_a_node_that_cannot_see_the_snapshot_stops_the_job(uninterrupted, tmp_pa
         assert result.returncode != 0
     errors = error_lines(results[0].stderr)
     assert len(errors) == 1, results[0].stderr
-    assert "rank 1" in errors[0] and "cannot read it" in errors[0]
+    assert "rank 1" in errors[0] and "cannot read" in errors[0]
     assert "filesystem shared by all nodes" in errors[0]
     assert not error_lines(results[1].stderr), results[1].stderr
     assert not (out_dirs[0] / "final.pt").exists() and not any(out_dirs[1].iterdir())

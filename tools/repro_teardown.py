@@ -1,16 +1,18 @@
-"""Reproduce why lessons 02-05 end each rank with os._exit after destroy_process_group.
+"""Measure whether a DDP rank needs os._exit after destroy_process_group to end cleanly.
 
     python tools/repro_teardown.py              # 20 runs each way, at most 120 s per run
-    python tools/repro_teardown.py --runs 5 --lesson 04_checkpointing
+    python tools/repro_teardown.py --runs 5 --lesson 04_checkpointing --modes plain
 
-Each run is the lesson itself, `python <lesson>/train.py --backend gloo --epochs 2`, in a fresh
-folder. "os._exit" runs are the lesson as it is: a rank that has left its process group ends
-with os._exit (leave_process, in the lesson's guard rails). "plain" runs swap leave_process
-for an ordinary exit, so Python tears down the interpreter while gloo's threads, which outlive
-destroy_process_group, are still there. A run that exits non-zero (an abort: "terminate called
-without an active exception") or does not end within --timeout seconds counts as failed.
-The script prints the counts per mode and exits 0: it reports, it does not judge. Every wait is
-bounded: a run still going at --timeout is killed with its whole process group.
+Lessons 02-05 used to end every rank with os._exit(0) after destroy_process_group, on the claim
+that with torch 2.14 gloo's threads, which outlive destroy_process_group, abort a finished rank
+about 1 run in 20 while Python tears down the interpreter ("terminate called without an active
+exception"), failing a job whose results are written. Each run here is the lesson itself,
+`python <lesson>/train.py --backend gloo --epochs 2`, in a fresh folder: "plain" runs it as it is
+(ranks end as any Python program does), "os._exit" with each rank leaving through os._exit(0)
+after its work, as before. A run that exits non-zero, or does not end within --timeout seconds,
+counts as failed. The script prints a line per run and the counts per mode, and exits 0: it
+reports, it does not judge. Every wait is bounded: a run still going at --timeout is killed with
+its whole process group.
 """
 
 import argparse
@@ -33,14 +35,16 @@ if __name__ in ("__main__", "__mp_main__") and sys.argv[1:2] == ["--run"]:
     lesson = importlib.util.module_from_spec(spec)
     sys.modules["lesson"] = lesson  # so that the ranks can unpickle lesson.worker
     spec.loader.exec_module(lesson)
-    if MODE == "plain":
-        def plain_exit(exit_code):
+    if MODE == "os._exit":
+        lesson_worker = lesson.worker
+
+        def worker_then_exit(*worker_args):
+            lesson_worker(*worker_args)
             sys.stdout.flush()
             sys.stderr.flush()
-            if exit_code:
-                sys.exit(exit_code)
-            # exit code 0: return, and let the interpreter end as any program does
-        lesson.leave_process = plain_exit
+            os._exit(0)  # skip the interpreter's teardown, and gloo's with it
+
+        lesson.worker = worker_then_exit  # launch looks the name up when it spawns
     if __name__ == "__main__":
         lesson.start(lesson.launch, lambda: lesson.parse_args(LESSON_ARGS), torchrun_ok=False)
         sys.exit(0)
@@ -70,6 +74,9 @@ def run_many(mode, lesson, runs, timeout):
             lines = [line for line in err.splitlines() if "terminate" in line or "error" in line]
             print(f"  {mode}: a run exited {process.returncode}: "
                   f"{(lines or err.splitlines() or ['?'])[-1][:160]}", flush=True)
+        else:
+            print(f"  {mode}: run {len(seconds) + hung} of {runs} ended well "
+                  f"({seconds[-1]:.0f} s)", flush=True)
     median = sorted(seconds)[len(seconds) // 2] if seconds else float("nan")
     print(f"{mode}: {failed} of {runs} runs failed, {hung} of {runs} hung "
           f"(median run {median:.1f} s)", flush=True)
