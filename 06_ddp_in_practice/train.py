@@ -572,10 +572,15 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
         if not dist.is_initialized():
-            fail(f"rank {rank}: not all {args.world_size} ranks met at "
-                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                 f"{args.timeout:g} s ({reason}); {meet_fix}")
-        fail(f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}")
+            message = (f"rank {rank}: not all {args.world_size} ranks met at "
+                       f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                       f"{args.timeout:g} s ({reason}); {meet_fix}")
+        else:
+            message = f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}"
+        # Printed here, not by fail(): each rank has its own story, and under torchrun start()
+        # keeps only rank 0's copy of the lines that every rank shares.
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(1)
     finally:
         # Also when training fails, so this rank does not leave its peers hanging.
         if dist.is_initialized():
