@@ -338,11 +338,13 @@ def main(rank, local_rank, args):
 def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
     rank = global_rank(args.node_rank, args.nproc_per_node, local_rank)
-    other_nodes = ", ".join(str(node) for node in range(args.nnodes) if node != args.node_rank)
-    with rank_guard(rank, args,  # a failure becomes one line; see the guard rails below
-                    meet_fix="start every node with the same --nnodes, --nproc-per-node, "
-                             "--master-addr and --master-port, or raise --timeout",
-                    lost_fix=f"a peer node went away: the log of node {other_nodes} says why"):
+    advice = {"meet_fix": "start every node with the same --nnodes, --nproc-per-node, "
+                          "--master-addr and --master-port, or raise --timeout"}
+    if args.nnodes > 1:
+        others = " or ".join(str(node) for node in range(args.nnodes) if node != args.node_rank)
+        advice["lost_fix"] = (f"a peer node went away, or stalled longer than --timeout: the log "
+                              f"of node {others} says why")
+    with rank_guard(rank, args, **advice):  # a failure becomes one line; see the guard rails
         main(rank, local_rank, args)
         dist.destroy_process_group()
 

@@ -2,10 +2,11 @@
 
 Lesson 02's program, made fault tolerant. Every --save-every epochs global rank 0 alone writes
 <out-dir>/snapshot.pt: the model, the optimizer's state, the epochs completed and the losses so
-far, atomically (a temporary file, flushed, renamed over the old one), and every rank waits at a
-barrier until it is on disk. A run whose --out-dir holds a snapshot continues from it: every rank
-loads it onto its own device (map_location) with weights_only=True and starts at the next epoch.
-It also runs under torchrun, which restarts the job after a crash (--max-restarts).
+far, and the flags that define the run, atomically (a temporary file, flushed, renamed over the
+old one), and every rank waits at a barrier until it is on disk. A run whose --out-dir holds a
+snapshot continues from it, if its flags match: rank 0 decides, and every rank loads that file
+onto its own device (map_location) with weights_only=True and starts at the next epoch. It also
+runs under torchrun, which restarts the job after a crash (--max-restarts).
 
 Run it:
     python 04_checkpointing/train.py                               # 2 CPU ranks, or every GPU
