@@ -282,6 +282,10 @@ def plan(facts):
         ("05_model_parallel_ddp", "cpu",
          [f"{python} 05_model_parallel_ddp/train.py --world-size 2{on_cpu}"],
          "2 ranks, both stages of each on the CPU", cpu_ok),
+        ("06_ddp_in_practice", "cpu",
+         [f"{python} 06_ddp_in_practice/train.py --world-size 2 --precision bf16 "
+          f"--batch-size 8 --accumulate 4 --clip-grad-norm 1{on_cpu}"],
+         "2 ranks, bf16, 4 micro-batches per step, clipping", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -296,6 +300,10 @@ def plan(facts):
              "one rank per GPU, NCCL", gpu_ok),
             ("05_model_parallel_ddp", "gpu", [f"{python} 05_model_parallel_ddp/train.py"],
              f"{pairs} rank(s) over GPU pairs" if pairs else "one rank, both stages on cuda:0",
+             gpu_ok),
+            ("06_ddp_in_practice", "gpu",
+             [f"{python} 06_ddp_in_practice/train.py --precision bf16 --clip-grad-norm 1"],
+             "one rank per GPU, NCCL, bf16 (--precision fp16 on GPUs older than Ampere)",
              gpu_ok),
         ]
     can, cannot = [], []

@@ -10,6 +10,14 @@ PATCH is one of:
                   the second torch.save of the run writes half its bytes, then its process is
                   killed (SIGKILL), as by a power cut or the out-of-memory killer mid-write
   log-writes      every save_atomically call prints "write <file name> by rank <rank>"
+  count-all-reduces
+                  a DDP communication hook counts the gradient all-reduces; at the end each rank
+                  prints "rank <rank>: <n> gradient all-reduces in <steps> optimizer steps"
+  loss-not-divided
+                  each micro-batch's loss is not divided by --accumulate (lesson 06's control)
+  step-every-micro-batch
+                  the optimizer steps after every micro-batch, whose loss is still divided by
+                  --accumulate (lesson 06's control)
   stall-rank-1    rank 1 sleeps for 5 minutes at the start of its second epoch (a rank that
                   hangs), so its peers wait in their next collective until --timeout
 
@@ -27,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 script, patch = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location("lesson", script)
@@ -76,7 +85,61 @@ def log_writes(obj, path):
     return original_save_atomically(obj, path)
 
 
+all_reduces = 0
+
+
+def counting_hook(state, bucket):
+    """The all-reduce DDP does by default (average over the ranks), counted."""
+    global all_reduces
+    all_reduces += 1
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def counting_ddp(module, **kwargs):
+    model = original_ddp(module, **kwargs)
+    model.register_comm_hook(None, counting_hook)
+    return model
+
+
+def train_and_report(self, max_epochs):
+    losses = original_train(self, max_epochs)
+    # One write per line: rank 0 prints at the same time, and print writes the newline apart.
+    sys.stdout.write(f"rank {self.rank}: {all_reduces} gradient all-reduces in {self.steps} "
+                     "optimizer steps\n")
+    sys.stdout.flush()
+    return losses
+
+
+def accumulate_from_argv():
+    arguments = sys.argv[3:]
+    return int(arguments[arguments.index("--accumulate") + 1]) if "--accumulate" in arguments else 1
+
+
+class LossTimes:
+    """torch.nn.functional, with cross_entropy's result multiplied by a factor."""
+
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    def cross_entropy(self, *args, **kwargs):
+        return torch.nn.functional.cross_entropy(*args, **kwargs) * self.factor
+
+
+def step_every_micro_batch(self, micro_batches):
+    # The bug: an optimizer step after each micro-batch. Each step sees one micro-batch, so the
+    # lesson divides its loss by 1; LossTimes divides it by K, as the naive loop would.
+    losses = [original_train_step(self, [micro_batch]) * len(micro_batch[1])
+              for micro_batch in micro_batches]
+    return sum(losses) / sum(len(labels) for _, labels in micro_batches)
+
+
 original_train_epoch = lesson.Trainer.train_epoch
+original_train = lesson.Trainer.train
+original_train_step = getattr(lesson.Trainer, "train_step", None)
+original_ddp = lesson.DDP
 original_save = torch.save
 original_save_atomically = getattr(lesson, "save_atomically", None)
 if patch == "no-ddp":
@@ -89,6 +152,16 @@ elif patch == "stall-rank-1":
     lesson.Trainer.train_epoch = stall_rank_1
 elif patch == "log-writes":
     lesson.save_atomically = log_writes
+elif patch == "count-all-reduces":
+    lesson.DDP = counting_ddp
+    lesson.Trainer.train = train_and_report
+elif patch == "loss-not-divided":
+    # The lesson weights each micro-batch's loss by its share of the step, 1/K for equal
+    # micro-batches; multiplying by K undoes that.
+    lesson.F = LossTimes(accumulate_from_argv())
+elif patch == "step-every-micro-batch":
+    lesson.F = LossTimes(1 / accumulate_from_argv())
+    lesson.Trainer.train_step = step_every_micro_batch
 else:
     sys.exit(f"error: unknown patch {patch!r}")
 

@@ -69,6 +69,7 @@ def test_lists_the_cpu_command_of_every_lesson_present(preflight):
     assert "03_multi_node/train.py --nnodes 2 --node-rank 1" in commands
     assert "--standalone --nproc-per-node 2 03_multi_node/train.py" in commands
     assert "05_model_parallel_ddp/train.py --world-size 2" in commands
+    assert "06_ddp_in_practice/train.py --world-size 2 --precision bf16" in commands
     if not (ROOT / "04_checkpointing" / "train.py").is_file():
         assert ("04_checkpointing, CPU: 04_checkpointing/train.py is not in this copy of the "
                 "repository") in preflight.stdout
@@ -189,6 +190,7 @@ def full_repository(tmp_path):
     # Every lesson and the Slurm files present, as in a complete checkout.
     for path in ("01_single_gpu/train.py", "02_multi_gpu_spawn/train.py", "03_multi_node/train.py",
                  "04_checkpointing/train.py", "05_model_parallel_ddp/train.py",
+                 "06_ddp_in_practice/train.py",
                  "03_multi_node/slurm/train.sbatch", "03_multi_node/slurm/local_cluster.sh"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()
@@ -204,6 +206,8 @@ def test_plan_on_a_machine_with_four_gpus(full_repository):
     # The GPU branch, which this CPU machine cannot reach by running the script.
     can, cannot = full_repository.plan(machine(gpus=4, nccl_ok=True, nccl_why=""))
     assert commands_for(can, "02_multi_gpu_spawn", "gpu") == ["python 02_multi_gpu_spawn/train.py"]
+    assert commands_for(can, "06_ddp_in_practice", "gpu") == [
+        "python 06_ddp_in_practice/train.py --precision bf16 --clip-grad-norm 1"]
     assert commands_for(can, "03_multi_node", "gpu") == [
         "torchrun --standalone --nproc-per-node 4 03_multi_node/train.py"]
     # The CPU commands must keep to gloo and 2 processes, or the lessons would take the GPUs.

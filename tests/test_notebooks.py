@@ -41,6 +41,10 @@ EXPECTED_TEXT = {
                          "weights_only=True refused it"],
     "05_model_parallel_ddp": ["same outputs: True", "test accuracy:",
                               "largest difference between the loss curves"],
+    "06_ddp_in_practice": ["accumulated gradient equals the big batch's: True",
+                           "all-reduces: 1 for the batch of 32, 1 for 2 micro-batches with "
+                           "no_sync, 2 without it", "test accuracy:",
+                           "both ranks measured the same gradient norms: True"],
 }
 
 

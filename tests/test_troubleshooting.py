@@ -127,3 +127,31 @@ def test_gloo_interface_name():
     assert "symptom: gloo takes one interface name" in out
     assert re.search(r"fix: GLOO_SOCKET_IFNAME=lo0?, an interface of this machine: the group "
                      r"started", out)
+
+
+def test_unused_parameters_stop_the_second_step():
+    out = run_demo("unused_parameters.py")
+    assert "RuntimeError: Expected to have finished reduction in the prior iteration" in out
+    assert "Parameter indices which did not receive grad for rank 0: 4 5" in out
+    assert "symptom: the second step stops at once; parameters aux.weight, aux.bias got no " \
+        "gradient" in out
+    for option in ("find_unused_parameters=True", "static_graph=True"):
+        assert f"fix: DDP(model, {option}): 3 steps, the same weights on both ranks: True" in out
+
+
+def test_batchnorm_statistics_differ_between_ranks():
+    out = run_demo("batchnorm_stats.py")
+    # Rank 0's data lie around 0, rank 1's around 4: on their own, the running means follow
+    # each rank's data; by default rank 0's buffers win; neither is the mean of all the data.
+    truth = float(re.search(r"the mean of all ranks' data: ([\d.]+)", out).group(1))
+    separate = re.search(r"forward_sync_buffers=False: \[([-\d.]+), ([-\d.]+)\]", out).groups()
+    assert abs(float(separate[0])) < 0.5 and abs(float(separate[1]) - 4) < 0.5
+    default = re.search(r"rank 0's buffers broadcast\): \[([-\d.]+), ([-\d.]+)\]", out).groups()
+    assert all(abs(float(value) - truth) > 1 for value in default)
+    assert "symptom: each rank normalises with its own batch's statistics" in out
+    if GPUS >= 2:
+        assert "fix: SyncBatchNorm gives every rank the statistics of the global batch: True" in out
+    else:
+        # SyncBatchNorm refuses CPU modules, with torch's words; the demo says it needs GPUs.
+        assert "SyncBatchNorm on cpu: ValueError: SyncBatchNorm layers only work with GPU" in out
+        assert "it runs only on GPUs, so it cannot run on this machine" in out
