@@ -10,6 +10,11 @@ PATCH is one of:
                   the second torch.save of the run writes half its bytes, then its process is
                   killed (SIGKILL), as by a power cut or the out-of-memory killer mid-write
   log-writes      every save_atomically call prints "write <file name> by rank <rank>"
+  no-gradient-sync
+                  gradients are never combined across ranks: DDP keeps each rank's own (a
+                  communication hook that skips the all-reduce), and FSDP's reduce-scatter hands
+                  each rank the slice of its own gradient instead of the sum over ranks (the
+                  control for lesson 07's sharding-math test)
 
 spawn starts each rank by re-running this file's top level (as __mp_main__), so the patch is
 applied in every rank, not only in the launching process.
@@ -24,6 +29,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 script, patch = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location("lesson", script)
@@ -67,6 +73,22 @@ def log_writes(obj, path):
     return original_save_atomically(obj, path)
 
 
+def keep_local_gradients(_state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class DDPWithoutAllReduce(DistributedDataParallel):
+    def __init__(self, module, **kwargs):
+        super().__init__(module, **kwargs)
+        self.register_comm_hook(None, keep_local_gradients)
+
+
+def reduce_scatter_without_sum(output, input, group=None, op=None, async_op=False):
+    output.copy_(input.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+
+
 original_train_epoch = lesson.Trainer.train_epoch
 original_save = torch.save
 original_save_atomically = getattr(lesson, "save_atomically", None)
@@ -78,6 +100,9 @@ elif patch == "die-while-saving":
     torch.save = die_while_saving
 elif patch == "log-writes":
     lesson.save_atomically = log_writes
+elif patch == "no-gradient-sync":
+    lesson.DDP = DDPWithoutAllReduce
+    dist.reduce_scatter_single = reduce_scatter_without_sum
 else:
     sys.exit(f"error: unknown patch {patch!r}")
 
