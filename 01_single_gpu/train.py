@@ -29,11 +29,6 @@ from torch.utils.data import DataLoader, Dataset
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
 def pick_device(requested):
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -213,6 +208,68 @@ def main(args):
           f"| results in {args.out_dir}", flush=True)
 
 
+# =============================================================================================
+# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
+# a hang. The lesson is above; this section is worded the same in every lesson.
+# =============================================================================================
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def check_args(args):
+    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
+    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
+                 "crash_at_epoch"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    for name in ("lr", "timeout"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            fail(f"--{name} must be positive (got {value:g})")
+    return args
+
+
+def started_by_torchrun():
+    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
+    # it starts.
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_launcher(torchrun_ok):
+    """Name the right command when a launcher the lesson is not written for started it."""
+    if started_by_torchrun() and not torchrun_ok:
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(1)  # torchrun started one copy per rank: the first one says it, once
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
+             f"05; start it with: python {sys.argv[0]}")
+
+
+def check_out_dir(path):
+    """--out-dir must be a folder this process can write to, or become one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
+
+
+def start(entry, args, torchrun_ok):
+    """Check how the lesson was started and where it writes, then run entry(args)."""
+    check_launcher(torchrun_ok)
+    check_out_dir(args.out_dir)
+    try:
+        entry(args)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
+        print("error: interrupted (Ctrl-C); the run stopped before it finished", file=sys.stderr)
+        sys.exit(130)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Lesson 01: train the wine MLP on one device.",
@@ -227,14 +284,8 @@ def parse_args(argv=None):
     parser.add_argument("--out-dir", default="runs/01_single_gpu",
                         help="folder for checkpoint.pt, final.pt and metrics.json")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "save_every"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    if args.lr <= 0:
-        fail(f"--lr must be positive (got {args.lr})")
-    return args
+    return check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    start(main, parse_args(), torchrun_ok=False)
