@@ -16,6 +16,8 @@ Run it:
 """
 
 import argparse
+import contextlib
+import datetime
 import glob
 import json
 import os
@@ -50,11 +52,6 @@ from torch.utils.data.distributed import DistributedSampler
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
 def choose_backend(requested, world_size):
     """NCCL when every rank can have its own GPU, else gloo on the CPU."""
     gpus = torch.cuda.device_count()
@@ -73,18 +70,6 @@ def choose_backend(requested, world_size):
     return "gloo"
 
 
-def port_in_use(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
-        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
 def find_free_port():
     # Port 0 asks the operating system for any free port. Two jobs started at the same moment
     # get different ports, where a fixed default such as 29500 would make the second one fail.
@@ -93,7 +78,7 @@ def find_free_port():
         return sock.getsockname()[1]
 
 
-def setup_process_group(rank, world_size, backend):
+def setup_process_group(rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
     if backend == "nccl":
         # Pin this process to its own GPU before anything touches CUDA. Without it every rank
@@ -106,8 +91,12 @@ def setup_process_group(rank, world_size, backend):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, cores // world_size))
         device = torch.device("cpu")
-    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens.
+    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens. The
+    # timeout bounds the wait for the other ranks here, and every collective after it: a rank
+    # that never arrives ends the job with an error instead of a silent hang (the default is
+    # 10 minutes for NCCL, 30 for gloo).
     dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
 
@@ -202,9 +191,10 @@ def shard_model(model, strategy, device, world_size):
         # device_ids names the one GPU this rank's model lives on; on the CPU it is left out.
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # The mesh names the ranks that share the model and their device type. Given explicitly,
-    # because fully_shard's default mesh is on the accelerator whenever one exists
-    # (_init_default_mesh in torch/distributed/fsdp/_fully_shard/_fsdp_init.py), even for a
-    # gloo run on the CPU.
+    # because fully_shard's default mesh is on the accelerator whenever one exists, and it
+    # moves the parameters there: a gloo run on a GPU machine would put its CPU model on the
+    # GPU (_init_default_mesh in torch/distributed/fsdp/_fully_shard/_fsdp_init.py; reported
+    # as a crash in https://github.com/pytorch/pytorch/issues/132471).
     mesh = init_device_mesh(device.type, (world_size,))
     # Each fully_shard call makes one unit: its parameters are cut into world_size slices
     # along dim 0, and each rank keeps one slice (a DTensor). In forward and backward a unit
@@ -383,7 +373,7 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------
 def main(rank, args):
     start = args.start_time  # set by launch, before the ranks were started
-    device = setup_process_group(rank, args.world_size, args.backend)
+    device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
                                       args.world_size)
@@ -463,19 +453,188 @@ def main(rank, args):
 
 def worker(rank, args):
     """What mp.spawn runs in each new process: main, then leave the process group."""
-    try:
+    with rank_guard(rank, args):  # a failure becomes one line; see the guard rails below
         main(rank, args)
+        dist.destroy_process_group()
+
+
+def launch(args):
+    """Pick backend and port, then start one process per rank."""
+    args.start_time = time.time()
+    args.backend = choose_backend(args.backend, args.world_size)
+    check_sharding(args)  # the width and any checkpoint: see the guard rails
+    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
+    # loopback address; a port set in the environment wins, else any free one.
+    check_master_port()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
+    # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
+    with spawn_guard("rank", then=". Run the same command again to resume from the last "
+                     "checkpoint"):
+        mp.spawn(worker, args=(args,), nprocs=args.world_size)
+
+
+# =============================================================================================
+# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
+# a hang. The lesson is above; this section is worded the same in every lesson.
+# =============================================================================================
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def check_args(args):
+    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
+    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
+                 "crash_at_epoch"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    for name in ("lr", "timeout"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            fail(f"--{name} must be positive (got {value:g})")
+    return args
+
+
+def started_by_torchrun():
+    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
+    # it starts.
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_launcher(torchrun_ok):
+    """Name the right command when a launcher the lesson is not written for started it."""
+    if started_by_torchrun() and not torchrun_ok:
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(1)  # torchrun started one copy per rank: the first one says it, once
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
+             f"05; start it with: python {sys.argv[0]}")
+
+
+def check_out_dir(path):
+    """--out-dir must be a folder this process can write to, or become one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
+
+
+def start(entry, args, torchrun_ok):
+    """Check how the lesson was started and where it writes, then run entry(args)."""
+    check_launcher(torchrun_ok)
+    check_out_dir(args.out_dir)
+    try:
+        entry(args)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
+        # The terminal sent it to the ranks too, and they stop; any still running is stopped
+        # here, so that none is left behind.
+        for child in mp.active_children():
+            child.terminate()
+            child.join(timeout=10)
+        if not started_by_torchrun() or os.environ.get("RANK") == "0":
+            print("error: interrupted (Ctrl-C); the run stopped before it finished",
+                  file=sys.stderr)
+        sys.exit(130)
+
+
+def port_in_use(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
+        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_master_port():
+    """A MASTER_PORT set in the environment must be a port number that nothing listens on."""
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
+    if port_in_use(int(port)):
+        fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
+             "(export MASTER_PORT=29501) or unset it to use a free port")
+
+
+@contextlib.contextmanager
+def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
+               lost_fix="the rank that stopped first says why"):
+    """Around one rank's work: ranks that do not meet, or lose each other, end with one line
+    each; the rank leaves the process group however it ends."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        leave_process(130)  # Ctrl-C reached every process: the launcher says so, once
+    except dist.DistError as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        if not dist.is_initialized():
+            print(f"error: rank {rank}: not all {args.world_size} ranks met at "
+                  f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                  f"{args.timeout:g} s ({reason}); {meet_fix}", file=sys.stderr)
+        else:
+            print(f"error: rank {rank} lost contact with the other ranks ({reason}); "
+                  f"{lost_fix}", file=sys.stderr)
+        leave_process(1)
     finally:
         # Also when training fails, so this rank does not leave its peers hanging.
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
-    # tearing them down while Python exits can abort a rank that has finished ("terminate
-    # called without an active exception"), failing a job whose results are written. Nothing
-    # is left to do: flush the output and leave at once, skipping that teardown.
+    leave_process(0)
+
+
+def leave_process(exit_code):
+    """End this rank's process at once: its results are written and its group is left.
+
+    Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
+    tearing them down while Python exits can abort a rank that has finished ("terminate called
+    without an active exception"), failing a job whose results are written. os._exit skips
+    that teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(exit_code)
+
+
+@contextlib.contextmanager
+def spawn_guard(what, then=""):
+    """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
+    of spawn's), and the job ends; spawn has already stopped the other ranks."""
+    try:
+        yield
+    except mp.ProcessRaisedException as error:
+        print(error, file=sys.stderr)
+        fail(f"{what} {error.error_index} failed (its traceback is above); the other {what}s "
+             f"were stopped{then}")
+    except mp.ProcessExitedException as error:
+        if error.exit_code == 130:
+            raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
+        if error.exit_code == 1:
+            sys.exit(1)  # the rank stopped with its own one-line error, printed above
+        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
+             f"of memory?); the other {what}s were stopped{then}")
+
+
+def check_sharding(args):
+    """Refuse, before any rank starts, a width or a checkpoint that cannot work."""
+    if args.hidden < 1:
+        fail(f"--hidden must be at least 1 (got {args.hidden})")
+    checkpoint = latest_checkpoint(os.path.join(args.out_dir, "checkpoint"))
+    if checkpoint:
+        check_checkpoint(checkpoint, args)
 
 
 def check_checkpoint(path, args):
@@ -499,46 +658,6 @@ def check_checkpoint(path, args):
              f"least {done} or choose another --out-dir")
 
 
-def launch(args):
-    """Check the request, pick backend and port, then start one process per rank."""
-    args.start_time = time.time()
-    args.backend = choose_backend(args.backend, args.world_size)
-    if args.strategy == "zero1" and args.world_size > 4:
-        # ZeroRedundancyOptimizer deals whole tensors, and the wine MLP has four; a rank with
-        # none would build an optimizer over an empty list, which torch refuses.
-        fail(f"--strategy zero1 shards the wine MLP's 4 parameter tensors, so at most 4 ranks "
-             f"(got --world-size {args.world_size}); use fewer ranks or --strategy fsdp")
-    checkpoint = latest_checkpoint(os.path.join(args.out_dir, "checkpoint"))
-    if checkpoint:
-        check_checkpoint(checkpoint, args)  # once, before any rank starts: one clear line
-    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
-    # loopback address; a port set in the environment wins, else any free one.
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" in os.environ:
-        port = os.environ["MASTER_PORT"]
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
-        if port_in_use(int(port)):
-            fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
-                 "(export MASTER_PORT=29501) or unset it to use a free port")
-    else:
-        os.environ["MASTER_PORT"] = str(find_free_port())
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    try:
-        # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
-        # with rank = 0 .. world_size - 1. If one raises, spawn stops the others and re-raises.
-        mp.spawn(worker, args=(args,), nprocs=args.world_size)
-    except mp.ProcessRaisedException as error:
-        print(error, file=sys.stderr)
-        fail(f"rank {error.error_index} failed (its traceback is above); the other ranks "
-             "were stopped")
-    except mp.ProcessExitedException as error:
-        fail(f"rank {error.error_index} died with exit code {error.exit_code} (killed, or out "
-             "of memory?); the other ranks were stopped")
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description="Lesson 07: train the wine MLP with DDP, ZeRO-1 or FSDP (mp.spawn).",
@@ -557,19 +676,16 @@ def parse_args(argv=None):
                         help="number of processes (default: one per GPU, or 2 on the CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when every rank has its own GPU, else gloo")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a rank waits for the others (to start, or in any "
+                             "collective) before giving up with an error")
     parser.add_argument("--strategy", default="fsdp", choices=["ddp", "zero1", "fsdp"],
                         help="ddp: everything on every rank; zero1: the optimizer state "
                         "sharded; fsdp: parameters, gradients and optimizer state sharded")
     parser.add_argument("--hidden", type=int, default=64,
                         help="hidden units; 64 is lesson 01's model, thousands show memory")
-    args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "save_every", "world_size", "hidden"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    if args.lr <= 0:
-        fail(f"--lr must be positive (got {args.lr})")
-    return args
+    return check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    launch(parse_args())
+    start(launch, parse_args(), torchrun_ok=False)

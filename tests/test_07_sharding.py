@@ -95,9 +95,11 @@ def ddp_bytes():
             "optimizer_state": 2 * params + ADAM_STEP * len(SHAPES)}  # exp_avg, exp_avg_sq
 
 
-def memory_run(lesson_run, strategy, world_size):
+def memory_run(lesson_run, request, strategy, world_size):
     if world_size == 2:
         return memory(two_ranks(lesson_run, strategy)[1])  # the runs above
+    if (strategy, world_size) == ("zero1", 1):  # the resume from fsdp below trains 19 epochs
+        return memory(request.getfixturevalue("zero1_resumed_from_fsdp")[1])
     result, out_dir = lesson_run(LESSON, *CPU, "--strategy", strategy, "--world-size",
                                  world_size, "--epochs", 2)
     assert result.returncode == 0, result.stderr
@@ -110,9 +112,9 @@ def test_ddp_holds_everything_on_every_rank(lesson_run):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_fsdp_holds_one_nth_of_everything(lesson_run, world_size):
+def test_fsdp_holds_one_nth_of_everything(lesson_run, request, world_size):
     full = ddp_bytes()
-    rows = memory_run(lesson_run, "fsdp", world_size)
+    rows = memory_run(lesson_run, request, "fsdp", world_size)
     assert len(rows) == world_size
     for rank, row in enumerate(rows):
         # Exactly this rank's rows of each tensor; 1/N of DDP's up to the one row per tensor
@@ -129,9 +131,10 @@ def test_fsdp_holds_one_nth_of_everything(lesson_run, world_size):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_zero1_holds_one_nth_of_the_optimizer_state_by_whole_tensors(lesson_run, world_size):
+def test_zero1_holds_one_nth_of_the_optimizer_state_by_whole_tensors(lesson_run, request,
+                                                                    world_size):
     full = ddp_bytes()
-    rows = memory_run(lesson_run, "zero1", world_size)
+    rows = memory_run(lesson_run, request, "zero1", world_size)
     assert len(rows) == world_size
     # Parameters and gradients stay whole on every rank, as under DDP.
     assert all(row["parameters"] == row["gradients"] == full["parameters"] for row in rows)
@@ -185,17 +188,23 @@ def test_a_crash_and_a_resume_end_bitwise_equal_to_a_run_that_never_crashed(
     assert [p.name for p in (out_dir / "checkpoint").iterdir()] == ["epoch_0020"]
 
 
-def test_a_checkpoint_loads_into_another_strategy_and_world_size(lesson_run,
-                                                                 crashed_and_resumed):
-    # fsdp's checkpoint from 2 ranks after epoch 1, resumed by zero1 on 1 rank with the same
-    # global batch: the model and Adam's state load correctly, so the run ends with the
-    # weights of the fsdp run that never stopped. (Without Adam's state it would not.)
+@pytest.fixture(scope="module")
+def zero1_resumed_from_fsdp(crashed_and_resumed):
+    """The fsdp checkpoint of 2 ranks after epoch 1, resumed by zero1 on 1 rank x batch 32."""
     *_, kept = crashed_and_resumed
     out_dir = kept / "zero1_from_fsdp"
     shutil.copytree(kept / "checkpoint", out_dir / "checkpoint")
     result = run_lesson(LESSON, *CPU, "--strategy", "zero1", "--world-size", 1,
                         "--out-dir", out_dir)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result, out_dir
+
+
+def test_a_checkpoint_loads_into_another_strategy_and_world_size(lesson_run,
+                                                                 zero1_resumed_from_fsdp):
+    # The same global batch, so the model and Adam's state, loaded correctly, make the run end
+    # with the weights of the fsdp run that never stopped. (Without Adam's state it would not.)
+    result, out_dir = zero1_resumed_from_fsdp
     assert "written by fsdp on 2 ranks, loaded by zero1 on 1" in result.stdout
     _, uninterrupted = two_ranks(lesson_run, "fsdp")
     assert max_weight_difference(out_dir, uninterrupted) < 1e-5
@@ -229,15 +238,9 @@ def test_a_checkpoint_of_another_width_is_refused_in_one_line(lesson_run, tmp_pa
     assert not (tmp_path / "final.pt").exists()  # nothing trained from scratch in its place
 
 
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (["--hidden", "0"], "--hidden must be at least 1"),
-        (["--strategy", "zero1", "--world-size", "5"], "at most 4 ranks"),
-    ],
-)
-def test_bad_input_gets_one_clear_line(args, fragment, tmp_path):
-    assert_one_line_error(run_lesson(LESSON, *CPU, *args, "--out-dir", tmp_path), fragment)
+def test_bad_input_gets_one_clear_line(tmp_path):
+    result = run_lesson(LESSON, *CPU, "--hidden", 0, "--out-dir", tmp_path)
+    assert_one_line_error(result, "--hidden must be at least 1")
 
 
 # ---------------------------------------------------------------------------------------------
