@@ -41,6 +41,9 @@ EXPECTED_TEXT = {
                          "weights_only=True refused it"],
     "05_model_parallel_ddp": ["same outputs: True", "test accuracy:",
                               "largest difference between the loss curves"],
+    "07_sharding": ["same weights under all three strategies: True",
+                    "drawing agrees with the measured bytes: True",
+                    "model.fc1.weight rows 2048-4095 in __1_0.distcp", "test accuracy:"],
 }
 
 
