@@ -280,6 +280,9 @@ def plan(facts):
         ("05_model_parallel_ddp", "cpu",
          [f"{python} 05_model_parallel_ddp/train.py --world-size 2{on_cpu}"],
          "2 ranks, both stages of each on the CPU", cpu_ok),
+        ("07_sharding", "cpu",
+         [f"{python} 07_sharding/train.py --world-size 2{on_cpu}"],
+         "2 ranks, FSDP: each holds half of every tensor", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -295,6 +298,8 @@ def plan(facts):
             ("05_model_parallel_ddp", "gpu", [f"{python} 05_model_parallel_ddp/train.py"],
              f"{pairs} rank(s) over GPU pairs" if pairs else "one rank, both stages on cuda:0",
              gpu_ok),
+            ("07_sharding", "gpu", [f"{python} 07_sharding/train.py"],
+             f"{gpus} rank(s), one per GPU, FSDP over NCCL", gpu_ok),
         ]
     can, cannot = [], []
     for lesson, where, commands, note, runnable in wanted:
