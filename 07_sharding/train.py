@@ -199,10 +199,11 @@ def shard_model(model, strategy, device, world_size):
     # Each fully_shard call makes one unit: its parameters are cut into world_size slices
     # along dim 0, and each rank keeps one slice (a DTensor). In forward and backward a unit
     # is all-gathered whole, used, and freed again; its gradients are reduce-scattered, so each
-    # rank receives the averaged gradient of its own slice only. One unit per layer means only
-    # one layer is ever whole at a time. The root call takes what no layer took and starts
-    # the gathering. Unlike DDP, FSDP does not broadcast rank 0's weights: every rank cuts its
-    # slice from the model it built, so the seed before WineMLP() is what makes them agree.
+    # rank receives the averaged gradient of its own slice only. One unit per layer means a
+    # layer or two are whole at a time (the next one's all-gather may already be under way),
+    # never the model. The root call takes any parameters no layer took (none here) and runs
+    # the units' schedule. Unlike DDP, FSDP does not broadcast rank 0's weights: every rank
+    # cuts its slice from the model it built, so the seed before WineMLP() makes them agree.
     for layer in (model.fc1, model.fc2):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
