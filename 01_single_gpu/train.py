@@ -240,8 +240,6 @@ def started_by_torchrun():
 def check_launcher(torchrun_ok):
     """Name the right command when a launcher the lesson is not written for started it."""
     if started_by_torchrun() and not torchrun_ok:
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(1)  # torchrun started one copy per rank: the first one says it, once
         fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
              f"05; start it with: python {sys.argv[0]}")
 
@@ -258,12 +256,18 @@ def check_out_dir(path):
         fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
 
 
-def start(entry, args, torchrun_ok):
-    """Check how the lesson was started and where it writes, then run entry(args)."""
-    check_launcher(torchrun_ok)
-    check_out_dir(args.out_dir)
+def start(entry, parse, torchrun_ok):
+    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
     try:
+        check_launcher(torchrun_ok)
+        args = parse()
+        check_out_dir(args.out_dir)
         entry(args)
+    except SystemExit as stop:
+        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
+        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
+            sys.exit(1)
+        raise
     except KeyboardInterrupt:
         # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
         print("error: interrupted (Ctrl-C); the run stopped before it finished", file=sys.stderr)
@@ -288,4 +292,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    start(main, parse_args(), torchrun_ok=False)
+    start(main, parse_args, torchrun_ok=False)

@@ -22,6 +22,7 @@ With Slurm, one torchrun per node:
 """
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -43,11 +44,6 @@ from torch.utils.data.distributed import DistributedSampler
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
 def global_rank(node_rank, nproc_per_node, local_rank):
     """Node 0 holds global ranks 0 .. nproc_per_node - 1, node 1 the next nproc_per_node, and
     so on. Every node must run the same number of processes for this to give each rank once."""
@@ -73,73 +69,12 @@ def choose_backend(requested, nproc_per_node):
     return "gloo"
 
 
-def port_in_use(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
-        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
 def find_free_port():
     # Port 0 asks the operating system for any free port. Two jobs started at the same moment
     # get different ports, where a fixed default such as 29500 would make the second one fail.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-def is_local_address(address):
-    # Rank 0 runs on node 0 and listens there, so node 0's --master-addr must be one of its own
-    # addresses. Binding to an address that belongs to another machine fails.
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((socket.gethostbyname(address), 0))
-    except OSError:
-        return False
-    return True
-
-
-def is_loopback(address):
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
-    except OSError:
-        return False
-
-
-def check_gloo_address(master_addr, nnodes):
-    """Fail early where gloo would listen on the loopback address, unreachable from other nodes.
-
-    gloo listens on the address this machine's name resolves to. Many Linux machines map their
-    name to 127.0.0.1 or 127.0.1.1 in /etc/hosts: fine on one machine, but ranks on other nodes
-    cannot connect there, and the job would fail after --timeout at the first collective."""
-    if nnodes == 1 or is_loopback(master_addr) or os.environ.get("GLOO_SOCKET_IFNAME"):
-        return
-    name = socket.gethostname()
-    if is_loopback(name) or not is_local_address(name):
-        fail(f"this machine's name ({name}) resolves to a loopback address, where gloo would "
-             f"listen and the other nodes cannot reach it; set GLOO_SOCKET_IFNAME to the "
-             f"network interface that reaches {master_addr} (ip route get {master_addr} "
-             "names it)")
-
-
-def wait_for_master(address, port, timeout):
-    """True once something listens at address:port, False if nothing does within timeout s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((address, port), timeout=min(5.0, timeout)):
-                return True
-        except OSError:
-            # Refused (node 0 has not started yet), unreachable or timed out: try again, since
-            # nodes may be started in any order, until the deadline.
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.5)
 
 
 def setup_process_group(rank, local_rank, world_size, nproc_per_node, backend, timeout):
@@ -158,17 +93,11 @@ def setup_process_group(rank, local_rank, world_size, nproc_per_node, backend, t
         device = torch.device("cpu")
     # MASTER_ADDR and MASTER_PORT (set by launch or torchrun) tell every rank where rank 0
     # listens. The timeout bounds the wait for the other ranks here, and every collective after
-    # it: a node that never arrives ends the job with an error instead of a silent hang (the
-    # default is 10 minutes for gloo and NCCL).
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout),
-                                device_id=device if backend == "nccl" else None)
-    except dist.DistError as error:
-        fail(f"rank {rank}: not all {world_size} ranks met at {os.environ['MASTER_ADDR']}:"
-             f"{os.environ['MASTER_PORT']} within {timeout:g} s ({str(error).splitlines()[0]}); "
-             "start every node with the same --nnodes, --nproc-per-node, --master-addr and "
-             "--master-port, or raise --timeout")
+    # it: a rank that never arrives ends the job with an error instead of a silent hang (the
+    # default is 10 minutes for NCCL, 30 for gloo).
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
     return device
 
 
@@ -409,19 +338,13 @@ def main(rank, local_rank, args):
 def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
     rank = global_rank(args.node_rank, args.nproc_per_node, local_rank)
-    try:
+    other_nodes = ", ".join(str(node) for node in range(args.nnodes) if node != args.node_rank)
+    with rank_guard(rank, args,  # a failure becomes one line; see the guard rails below
+                    meet_fix="start every node with the same --nnodes, --nproc-per-node, "
+                             "--master-addr and --master-port, or raise --timeout",
+                    lost_fix=f"a peer node went away: the log of node {other_nodes} says why"):
         main(rank, local_rank, args)
-    finally:
-        # Also when training fails, so this rank does not leave its peers hanging.
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
-    # tearing them down while Python exits can abort a rank that has finished ("terminate
-    # called without an active exception"), failing a job whose results are written. Nothing
-    # is left to do: flush the output and leave at once, skipping that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        dist.destroy_process_group()
 
 
 def run_under_torchrun(args):
@@ -452,7 +375,7 @@ def launch(args):
     """Check the request, find rank 0, then start this node's processes (or, under torchrun,
     be the one process that torchrun started)."""
     args.start_time = time.time()
-    if "LOCAL_RANK" in os.environ and "GROUP_RANK" in os.environ:
+    if started_by_torchrun():
         run_under_torchrun(args)
         return
     args.launcher = "spawn"
@@ -494,25 +417,232 @@ def launch(args):
              "and check that a firewall lets that port through, or raise --timeout")
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
     os.makedirs(args.out_dir, exist_ok=True)
-    try:
-        # spawn starts nproc_per_node fresh Python processes on this node and calls
-        # worker(local_rank, args) in each, local_rank = 0 .. nproc_per_node - 1. If one fails,
-        # spawn stops the others on this node; the other nodes' ranks then fail too, within
-        # --timeout at most, as their next collective loses its peer.
+    # spawn starts nproc_per_node fresh Python processes on this node and calls
+    # worker(local_rank, args) in each, local_rank = 0 .. nproc_per_node - 1. If one fails,
+    # spawn stops the others on this node; the other nodes' ranks then fail too, within
+    # --timeout at most, as their next collective loses its peer.
+    with spawn_guard("local rank"):
         mp.spawn(worker, args=(args,), nprocs=args.nproc_per_node)
+
+
+# =============================================================================================
+# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
+# a hang. The lesson is above; this section is worded the same in every lesson.
+# =============================================================================================
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def check_args(args):
+    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
+    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
+                 "crash_at_epoch"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    for name in ("lr", "timeout"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            fail(f"--{name} must be positive (got {value:g})")
+    return args
+
+
+def started_by_torchrun():
+    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
+    # it starts.
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_launcher(torchrun_ok):
+    """Name the right command when a launcher the lesson is not written for started it."""
+    if started_by_torchrun() and not torchrun_ok:
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
+             f"05; start it with: python {sys.argv[0]}")
+
+
+def check_out_dir(path):
+    """--out-dir must be a folder this process can write to, or become one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
+
+
+def start(entry, parse, torchrun_ok):
+    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
+    try:
+        check_launcher(torchrun_ok)
+        args = parse()
+        check_out_dir(args.out_dir)
+        entry(args)
+    except SystemExit as stop:
+        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
+        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
+            sys.exit(1)
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
+        # The terminal sent it to the ranks too, and they stop; any still running is stopped
+        # here, so that none is left behind.
+        for child in mp.active_children():
+            child.terminate()
+            child.join(timeout=10)
+        if not started_by_torchrun() or os.environ.get("RANK") == "0":
+            print("error: interrupted (Ctrl-C); the run stopped before it finished",
+                  file=sys.stderr)
+        sys.exit(130)
+
+
+def port_in_use(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
+        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_master_port():
+    """A MASTER_PORT set in the environment must be a port number that nothing listens on."""
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
+    if port_in_use(int(port)):
+        fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
+             "(export MASTER_PORT=29501) or unset it to use a free port")
+
+
+@contextlib.contextmanager
+def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
+               lost_fix="another rank stopped, or stalled longer than --timeout; its output "
+                        "says which"):
+    """Around one rank's work: ranks that do not meet, or lose each other, end with one line
+    each, and Ctrl-C quietly; the rank leaves the process group however it ends.
+
+    The rank then ends as any Python program does. Lessons written for torch 2.14 once left
+    with os._exit here, against an abort at exit ("terminate called without an active
+    exception"); tools/repro_teardown.py runs this lesson without it and found none (see the
+    README)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C reached every process: the launcher says so, once
+    except Exception as error:
+        if not is_lost_contact(error):
+            raise  # this rank's own failure: spawn or torchrun shows its traceback
+        # The first line, without gloo's source location and its advice: what went wrong.
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
+        if not dist.is_initialized():
+            fail(f"rank {rank}: not all {args.world_size} ranks met at "
+                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                 f"{args.timeout:g} s ({reason}); {meet_fix}")
+        fail(f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}")
+    finally:
+        # Also when training fails, so this rank does not leave its peers hanging.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def is_lost_contact(error):
+    """Whether error says that the other ranks did not come, went away or stalled. In backward,
+    autograd hands on gloo's error as a plain RuntimeError, hence the look at its text."""
+    signs = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting",
+             "Broken pipe")
+    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in signs)
+
+
+@contextlib.contextmanager
+def spawn_guard(what, then=""):
+    """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
+    of spawn's), and the job ends; spawn has already stopped the other ranks."""
+    try:
+        yield
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
-        fail(f"local rank {error.error_index} failed (its traceback is above); the other ranks "
-             "on this node were stopped")
+        fail(f"{what} {error.error_index} failed (its traceback is above); the other {what}s "
+             f"were stopped{then}")
     except mp.ProcessExitedException as error:
+        if error.exit_code == 130:
+            raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
         if error.exit_code == 1:
-            sys.exit(1)  # the rank stopped with its own one-line error (fail), printed above
-        fail(f"local rank {error.error_index} died with exit code {error.exit_code} (killed, "
-             "or out of memory?); the other ranks on this node were stopped")
+            sys.exit(1)  # the rank stopped with its own one-line error, printed above
+        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
+             f"of memory?); the other {what}s were stopped{then}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Guard rails of this lesson: nodes started with flags that cannot meet
+# ---------------------------------------------------------------------------------------------
 # Flags for launching by hand; under torchrun they belong to torchrun's command line.
 MANUAL_LAUNCH_FLAGS = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port")
+
+
+def check_node_flags(args):
+    if args.node_rank is not None and args.node_rank < 0:
+        fail(f"--node-rank must be 0 or more (got {args.node_rank})")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        fail(f"--master-port must be a port number, 1 .. 65535 (got {args.master_port})")
+    return args
+
+
+def is_local_address(address):
+    # Rank 0 runs on node 0 and listens there, so node 0's --master-addr must be one of its own
+    # addresses. Binding to an address that belongs to another machine fails.
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((socket.gethostbyname(address), 0))
+    except OSError:
+        return False
+    return True
+
+
+def is_loopback(address):
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except OSError:
+        return False
+
+
+def check_gloo_address(master_addr, nnodes):
+    """Fail early where gloo would listen on the loopback address, unreachable from other nodes.
+
+    gloo listens on the address this machine's name resolves to. Many Linux machines map their
+    name to 127.0.0.1 or 127.0.1.1 in /etc/hosts: fine on one machine, but ranks on other nodes
+    cannot connect there, and the job would fail after --timeout at the first collective."""
+    if nnodes == 1 or is_loopback(master_addr) or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    name = socket.gethostname()
+    if is_loopback(name) or not is_local_address(name):
+        fail(f"this machine's name ({name}) resolves to a loopback address, where gloo would "
+             f"listen and the other nodes cannot reach it; set GLOO_SOCKET_IFNAME to the "
+             f"network interface that reaches {master_addr} (ip route get {master_addr} "
+             "names it)")
+
+
+def wait_for_master(address, port, timeout):
+    """True once something listens at address:port, False if nothing does within timeout s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=min(5.0, timeout)):
+                return True
+        except OSError:
+            # Refused (node 0 has not started yet), unreachable or timed out: try again, since
+            # nodes may be started in any order, until the deadline.
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)
 
 
 def parse_args(argv=None):
@@ -541,26 +671,13 @@ def parse_args(argv=None):
     parser.add_argument("--master-port", type=int,
                         help="the port rank 0 listens on, the same on every node (default: "
                              "$MASTER_PORT, else any free port with one node, 29500 with more)")
-    parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds to wait for the other nodes, and for any collective, "
-                             "before giving up with an error")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when every process has its own GPU, else gloo")
-    args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "save_every", "nnodes", "nproc_per_node"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    if args.node_rank is not None and args.node_rank < 0:
-        fail(f"--node-rank must be 0 or more (got {args.node_rank})")
-    if args.master_port is not None and not 0 < args.master_port < 65536:
-        fail(f"--master-port must be a port number, 1 .. 65535 (got {args.master_port})")
-    if args.lr <= 0:
-        fail(f"--lr must be positive (got {args.lr})")
-    if args.timeout <= 0:
-        fail(f"--timeout must be positive (got {args.timeout:g})")
-    return args
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a rank waits for the others (to start, or in any "
+                             "collective) before giving up with an error")
+    return check_node_flags(check_args(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":
-    launch(parse_args())
+    start(launch, parse_args, torchrun_ok=True)

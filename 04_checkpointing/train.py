@@ -17,6 +17,10 @@ Run it:
 """
 
 import argparse
+import contextlib
+import datetime
+import hashlib
+import io
 import json
 import os
 import socket
@@ -36,20 +40,16 @@ from torch.utils.data.distributed import DistributedSampler
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
-def choose_backend(requested, world_size):
-    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+def choose_backend(requested, world_size, flag="--world-size"):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU. flag names what set
+    the number of ranks on this machine: --world-size, or torchrun's --nproc-per-node."""
     gpus = torch.cuda.device_count()
     if requested == "nccl":
         if gpus == 0 or not dist.is_nccl_available():
             fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
         if world_size > gpus:
-            fail(f"--world-size {world_size} with NCCL needs {world_size} GPUs (one per rank), "
-                 f"but {gpus} visible; use --world-size {gpus} or --backend gloo")
+            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
+                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
         return "nccl"
     if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
         return "nccl"
@@ -57,18 +57,6 @@ def choose_backend(requested, world_size):
         print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
               "so the ranks train on the CPU with gloo")
     return "gloo"
-
-
-def port_in_use(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
-        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
 
 
 def find_free_port():
@@ -79,7 +67,7 @@ def find_free_port():
         return sock.getsockname()[1]
 
 
-def setup_process_group(rank, local_rank, world_size, backend):
+def setup_process_group(rank, local_rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
     if backend == "nccl":
         # Pin this process to its own GPU before anything touches CUDA. Without it every rank
@@ -94,21 +82,12 @@ def setup_process_group(rank, local_rank, world_size, backend):
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, cores // ranks_here))
         device = torch.device("cpu")
-    # MASTER_ADDR and MASTER_PORT (set by launch or torchrun) tell every rank where the ranks'
-    # key-value store listens; init_process_group connects to it (init_method="env://").
-    store = None
-    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        # Under torchrun the store belongs to torchrun's agent and lives as long as the job,
-        # across restarts (with --standalone and the c10d rendezvous, as of torch 2.14). The
-        # ranks publish their addresses in it; after a restart a new rank could read the
-        # address of a rank of the failed attempt, a process that is gone, and hang or fail
-        # with "Connection refused". A prefix per attempt keeps each attempt's keys its own.
-        agent_hosts_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.PrefixStore(
-            f"attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}",
-            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          world_size, is_master=rank == 0 and not agent_hosts_it))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+    # MASTER_ADDR and MASTER_PORT (set by launch or torchrun) tell every rank where rank 0
+    # listens. The timeout bounds the wait for the other ranks here, and every collective after
+    # it: a rank that never arrives ends the job with an error instead of a silent hang (the
+    # default is 10 minutes for NCCL, 30 for gloo).
+    dist.init_process_group(backend, store=restart_store(rank, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
 
@@ -125,39 +104,6 @@ def save_atomically(obj, path):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp_path, path)
-
-
-SNAPSHOT_KEYS = ("model", "optimizer", "epochs_completed", "train_loss", "world_size")
-
-
-def load_snapshot(path, device, epochs):
-    """Read a snapshot onto this rank's device, or stop with what is wrong and what to do."""
-    try:
-        # map_location: the tensors were saved from global rank 0's device, so the file says
-        # cuda:0. Without it, every rank would load its copy onto cuda:0, crowding that GPU;
-        # with it, rank r's copy goes to its own cuda:r (or the CPU). weights_only=True loads
-        # tensors and plain containers only: a file that tries to build other objects is
-        # refused, so a snapshot from elsewhere cannot run code as it loads.
-        snapshot = torch.load(path, map_location=device, weights_only=True)
-    except Exception as error:  # a damaged file raises one of several types, torch's or pickle's
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        fail(f"{path} cannot be loaded ({type(error).__name__}: {reason[:150]}); it is damaged "
-             "or not a snapshot: restore a good copy, or delete it to train from scratch")
-    missing = [key for key in SNAPSHOT_KEYS
-               if not isinstance(snapshot, dict) or key not in snapshot]
-    if missing:
-        fail(f"{path} is not a snapshot of this lesson (no {', '.join(missing)}); delete it or "
-             "choose another --out-dir")
-    if snapshot["epochs_completed"] > epochs:
-        fail(f"{path} has {snapshot['epochs_completed']} epochs done, more than --epochs "
-             f"{epochs}; ask for at least {snapshot['epochs_completed']} or choose another "
-             "--out-dir")
-    try:
-        WineMLP().load_state_dict(snapshot["model"])  # the same layers with the same shapes?
-    except RuntimeError as error:
-        fail(f"{path} holds a different model ({str(error).splitlines()[-1].strip()[:150]}); "
-             "delete it or choose another --out-dir")
-    return snapshot
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,6 +189,7 @@ class Trainer:
         self.epochs_completed = 0
         self.losses = []
         self.crash_at_epoch = None  # set by main from --crash-at-epoch
+        self.settings = {}  # set by main: the flags that define the run, saved with it
 
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
@@ -299,12 +246,14 @@ class Trainer:
             "epochs_completed": self.epochs_completed,  # also the index of the next epoch
             "train_loss": self.losses,
             "world_size": self.world_size,
+            # The flags that define the run: a resume with others would be another run.
+            "settings": self.settings,
         }
         save_atomically(snapshot, self.snapshot_path)
 
-    def load_snapshot(self, epochs):
-        snapshot = load_snapshot(self.snapshot_path, self.device, epochs)
+    def load_snapshot(self, expected):
         # Every rank loads the same file, so the copies stay identical, as DDP requires.
+        snapshot = load_same_snapshot(self.snapshot_path, expected, self.device)
         self.model.module.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.epochs_completed = snapshot["epochs_completed"]
@@ -343,7 +292,7 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------
 def main(rank, local_rank, args):
     start = args.start_time  # set by launch, before the ranks were started
-    device = setup_process_group(rank, local_rank, args.world_size, args.backend)
+    device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
                                       args.world_size)
@@ -357,11 +306,16 @@ def main(rank, local_rank, args):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size)
+    trainer.settings = run_settings(args)
 
-    # Automatic resume: a snapshot in --out-dir means an earlier run got this far.
-    resumed = os.path.exists(trainer.snapshot_path)
+    # Automatic resume: a snapshot in --out-dir means an earlier run got this far. Rank 0 alone
+    # decides whether to resume, and from which epoch, and tells the others: ranks deciding on
+    # their own could start at different epochs (a node with no copy, or an old one) and then
+    # wait for each other forever. Each rank then loads that file onto its own device.
+    expected = decided_by_rank_0(rank, check_snapshot, trainer.snapshot_path, args)
+    resumed = expected is not None
     if resumed:
-        snapshot = trainer.load_snapshot(args.epochs)
+        snapshot = trainer.load_snapshot(expected)
         if trainer.is_main_process:
             done = trainer.epochs_completed
             next_step = (f"continuing at epoch {done + 1}" if done < args.epochs else
@@ -402,7 +356,7 @@ def main(rank, local_rank, args):
         "device": device.type,
         "epochs": args.epochs,
         "batch_size": args.batch_size,
-        "lr": args.lr,
+        "lr": optimizer.param_groups[0]["lr"],  # what the steps used, also after a resume
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
         "train_loss": losses,
@@ -422,70 +376,312 @@ def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
     # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
     rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
-    try:
+    with rank_guard(rank, args):  # a failure becomes one line; see the guard rails below
         main(rank, local_rank, args)
-    finally:
-        # Also when training fails, so this rank does not leave its peers hanging.
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
-    # tearing them down while Python exits can abort a rank that has finished ("terminate
-    # called without an active exception"), failing a job whose results are written. Nothing
-    # is left to do: flush the output and leave at once, skipping that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        dist.destroy_process_group()
 
 
 def launch(args):
-    """Check the request and any snapshot, pick backend and port, then start one process per
-    rank; or, under torchrun, which has started them already, be one rank."""
+    """Check any snapshot, pick backend and port, then start one process per rank; or, under
+    torchrun, which has started them already, be one rank."""
     args.start_time = time.time()
-    if "LOCAL_RANK" in os.environ and "RANK" in os.environ:
-        # torchrun set these, with WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process is one
-        # rank. After a crash torchrun starts every rank again (--max-restarts), and the
+    if started_by_torchrun():
+        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
+        # is one rank. After a crash torchrun starts every rank again (--max-restarts), and the
         # snapshot brings them back to where the job was.
         args.launcher = "torchrun"
         args.world_size = int(os.environ["WORLD_SIZE"])
-        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]))
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
         os.makedirs(args.out_dir, exist_ok=True)
         worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
         return
     args.launcher = "spawn"
     args.backend = choose_backend(args.backend, args.world_size)
-    snapshot_path = os.path.join(args.out_dir, "snapshot.pt")
-    if os.path.exists(snapshot_path):
-        # Checked here, once, before any rank starts: a damaged snapshot is one clear line.
-        load_snapshot(snapshot_path, "cpu", args.epochs)
+    # Checked here, once, before any rank starts: a snapshot that cannot be resumed is one line.
+    check_snapshot(os.path.join(args.out_dir, "snapshot.pt"), args)
     # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
     # loopback address; a port set in the environment wins, else any free one.
+    check_master_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" in os.environ:
-        port = os.environ["MASTER_PORT"]
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
-        if port_in_use(int(port)):
-            fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
-                 "(export MASTER_PORT=29501) or unset it to use a free port")
-    else:
-        os.environ["MASTER_PORT"] = str(find_free_port())
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    try:
-        # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
-        # with rank = 0 .. world_size - 1. If one raises, spawn stops the others and re-raises.
+    # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
+    # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
+    with spawn_guard("rank", ". Run the same command again to resume from the last snapshot"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
+
+
+# =============================================================================================
+# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
+# a hang. The lesson is above; this section is worded the same in every lesson.
+# =============================================================================================
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def check_args(args):
+    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
+    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
+                 "crash_at_epoch"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    for name in ("lr", "timeout"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            fail(f"--{name} must be positive (got {value:g})")
+    return args
+
+
+def started_by_torchrun():
+    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
+    # it starts.
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_launcher(torchrun_ok):
+    """Name the right command when a launcher the lesson is not written for started it."""
+    if started_by_torchrun() and not torchrun_ok:
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
+             f"05; start it with: python {sys.argv[0]}")
+
+
+def check_out_dir(path):
+    """--out-dir must be a folder this process can write to, or become one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
+
+
+def start(entry, parse, torchrun_ok):
+    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
+    try:
+        check_launcher(torchrun_ok)
+        args = parse()
+        check_out_dir(args.out_dir)
+        entry(args)
+    except SystemExit as stop:
+        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
+        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
+            sys.exit(1)
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
+        # The terminal sent it to the ranks too, and they stop; any still running is stopped
+        # here, so that none is left behind.
+        for child in mp.active_children():
+            child.terminate()
+            child.join(timeout=10)
+        if not started_by_torchrun() or os.environ.get("RANK") == "0":
+            print("error: interrupted (Ctrl-C); the run stopped before it finished",
+                  file=sys.stderr)
+        sys.exit(130)
+
+
+def port_in_use(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
+        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_master_port():
+    """A MASTER_PORT set in the environment must be a port number that nothing listens on."""
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
+    if port_in_use(int(port)):
+        fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
+             "(export MASTER_PORT=29501) or unset it to use a free port")
+
+
+@contextlib.contextmanager
+def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
+               lost_fix="another rank stopped, or stalled longer than --timeout; its output "
+                        "says which"):
+    """Around one rank's work: ranks that do not meet, or lose each other, end with one line
+    each, and Ctrl-C quietly; the rank leaves the process group however it ends.
+
+    The rank then ends as any Python program does. Lessons written for torch 2.14 once left
+    with os._exit here, against an abort at exit ("terminate called without an active
+    exception"); tools/repro_teardown.py runs this lesson without it and found none (see the
+    README)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C reached every process: the launcher says so, once
+    except Exception as error:
+        if not is_lost_contact(error):
+            raise  # this rank's own failure: spawn or torchrun shows its traceback
+        # The first line, without gloo's source location and its advice: what went wrong.
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
+        if not dist.is_initialized():
+            fail(f"rank {rank}: not all {args.world_size} ranks met at "
+                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                 f"{args.timeout:g} s ({reason}); {meet_fix}")
+        fail(f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}")
+    finally:
+        # Also when training fails, so this rank does not leave its peers hanging.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def is_lost_contact(error):
+    """Whether error says that the other ranks did not come, went away or stalled. In backward,
+    autograd hands on gloo's error as a plain RuntimeError, hence the look at its text."""
+    signs = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting",
+             "Broken pipe")
+    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in signs)
+
+
+@contextlib.contextmanager
+def spawn_guard(what, then=""):
+    """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
+    of spawn's), and the job ends; spawn has already stopped the other ranks."""
+    try:
+        yield
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
-        fail(f"rank {error.error_index} failed (its traceback is above); the other ranks "
-             f"were stopped. Run the same command again to resume from the last snapshot")
+        fail(f"{what} {error.error_index} failed (its traceback is above); the other {what}s "
+             f"were stopped{then}")
     except mp.ProcessExitedException as error:
+        if error.exit_code == 130:
+            raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
         if error.exit_code == 1:
-            sys.exit(1)  # the rank stopped with its own one-line error (fail), printed above
-        fail(f"rank {error.error_index} died with exit code {error.exit_code} (killed, or out "
-             "of memory?); the other ranks were stopped. Run the same command again to resume "
-             "from the last snapshot")
+            sys.exit(1)  # the rank stopped with its own one-line error, printed above
+        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
+             f"of memory?); the other {what}s were stopped{then}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Guard rails of this lesson: a snapshot that cannot continue this run, or that some rank
+# cannot see, and the store torchrun's restarts need
+# ---------------------------------------------------------------------------------------------
+SNAPSHOT_KEYS = ("model", "optimizer", "epochs_completed", "train_loss", "world_size",
+                 "settings")
+
+
+def run_settings(args):
+    """The flags that define a run: a snapshot continues only a run with the same ones. The
+    number of ranks may change (see main); --epochs may grow; the others change no result."""
+    return {"lr": args.lr, "seed": args.seed, "batch-size": args.batch_size}
+
+
+def check_snapshot(path, args):
+    """None if there is no snapshot at path; else what every rank must find there (epochs
+    done, world size, the file's SHA-256). Stops with one line if it cannot be resumed."""
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        # weights_only=True loads tensors and plain containers only: a file that tries to
+        # build other objects is refused, so a snapshot from elsewhere cannot run code.
+        snapshot = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # a damaged file raises one of several types, torch's or pickle's
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        fail(f"{path} cannot be loaded ({type(error).__name__}: {reason[:150]}); it is damaged "
+             "or not a snapshot: restore a good copy, or delete it to train from scratch")
+    missing = [key for key in SNAPSHOT_KEYS
+               if not isinstance(snapshot, dict) or key not in snapshot]
+    if missing:
+        fail(f"{path} is not a snapshot of this lesson (no {', '.join(missing)}); delete it or "
+             "choose another --out-dir")
+    if snapshot["epochs_completed"] > args.epochs:
+        fail(f"{path} has {snapshot['epochs_completed']} epochs done, more than --epochs "
+             f"{args.epochs}; ask for at least {snapshot['epochs_completed']} or choose another "
+             "--out-dir")
+    try:
+        WineMLP().load_state_dict(snapshot["model"])  # the same layers with the same shapes?
+    except RuntimeError as error:
+        fail(f"{path} holds a different model ({str(error).splitlines()[-1].strip()[:150]}); "
+             "delete it or choose another --out-dir")
+    for flag, value in run_settings(args).items():
+        saved = snapshot["settings"].get(flag)
+        if saved != value:
+            fail(f"--{flag} {value} differs from the run in {path}, which used --{flag} "
+                 f"{saved}; resume it with --{flag} {saved}, or start a new run with another "
+                 "--out-dir")
+    return {"epochs_completed": snapshot["epochs_completed"],
+            "world_size": snapshot["world_size"], "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def decided_by_rank_0(rank, decide, *decide_args):
+    """decide(*decide_args) on rank 0 alone, its answer handed to every rank. If rank 0 stops
+    with an error, it says so once and every rank ends, none left waiting for it."""
+    answer = [None]
+    if rank == 0:
+        try:
+            answer = [("go", decide(*decide_args))]
+        except SystemExit as stop:
+            answer = [("stop", stop.code)]
+    dist.broadcast_object_list(answer, src=0)
+    verdict, value = answer[0]
+    if verdict == "stop":
+        sys.exit(value if rank == 0 else 1)
+    return value
+
+
+def load_same_snapshot(path, expected, device):
+    """Load the snapshot rank 0 decided on, onto this rank's device, after every rank has
+    checked that it sees that very file; else the job stops with one line, not a hang."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        seen = hashlib.sha256(data).hexdigest()
+    except OSError as error:
+        data, seen = None, f"cannot read {path} ({error.strerror})"
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (socket.gethostname(), seen))
+    for other, (host, other_seen) in enumerate(views):
+        if other_seen != expected["sha256"]:
+            what = (other_seen if other_seen.startswith("cannot read") else
+                    f"sees another version of {path}")
+            sys.exit(f"error: rank {other} (host {host}) {what}, the snapshot that rank 0 "
+                     f"resumes from at epoch {expected['epochs_completed'] + 1}; every rank must "
+                     "see the same --out-dir, on a filesystem shared by all nodes"
+                     if dist.get_rank() == 0 else 1)
+    # map_location: the tensors were saved from global rank 0's device, so the file says
+    # cuda:0. Without it, every rank would load its copy onto cuda:0, crowding that GPU; with
+    # it, rank r's copy goes to its own cuda:r (or the CPU). weights_only=True, as above.
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+
+
+def restart_store(rank, world_size, timeout):
+    """None (init_process_group builds the store from MASTER_ADDR and MASTER_PORT), except in a
+    torchrun restart that shares its agent's store: then that store, with a prefix per attempt.
+
+    torchrun's agent hosts one store for the whole job, across restarts (--standalone and the
+    c10d rendezvous, torch 2.4 to 2.14), and hands it to every attempt. The ranks of a
+    restarted attempt would find the keys of the failed one in it, such as the addresses of
+    ranks that are gone, and fail ("Connection refused") or hang. A prefix per attempt keeps
+    each attempt's keys its own. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
+    environment, PyTorch's own switch, every attempt gets a fresh store and this returns None.
+    tools/repro_agent_store.py reproduces it; upstream: pytorch/pytorch#135712."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return dist.PrefixStore(
+        f"attempt_{attempt}",
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                      is_master=False, timeout=datetime.timedelta(seconds=timeout)))
 
 
 def parse_args(argv=None):
@@ -507,17 +703,14 @@ def parse_args(argv=None):
                         help="number of processes (default: one per GPU, or 2 on the CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when every rank has its own GPU, else gloo")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a rank waits for the others (to start, or in any "
+                             "collective) before giving up with an error")
     parser.add_argument("--crash-at-epoch", type=int, default=None,
                         help="make one rank fail at the start of this epoch (once: not in a "
                              "run that resumed, nor in a torchrun restart), to try a resume")
-    args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "save_every", "world_size", "crash_at_epoch"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    if args.lr <= 0:
-        fail(f"--lr must be positive (got {args.lr})")
-    return args
+    return check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    launch(parse_args())
+    start(launch, parse_args, torchrun_ok=True)

@@ -17,6 +17,8 @@ Run it:
 """
 
 import argparse
+import contextlib
+import datetime
 import json
 import os
 import socket
@@ -36,25 +38,21 @@ from torch.utils.data.distributed import DistributedSampler
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
-def plan_devices(gpu_count, requested_world_size=None):
+def plan_devices(gpu_count, requested_world_size=None, flag="--world-size"):
     """Decide how many ranks run and where each rank's two stages live, from the GPU count alone.
 
     Returns (world_size, [(dev0, dev1) for each rank], note); note is "" when there is nothing to
-    say. Raises ValueError, with the fix in its message, when the request cannot be met. It looks
+    say. Raises ValueError, with the fix in its message, when the request cannot be met; flag
+    names what asked for that many ranks: --world-size, or torchrun's --nproc-per-node. It looks
     at no hardware, so the plan for 8 GPUs can be checked on a laptop."""
     if gpu_count == 0:
         world_size = requested_world_size or 2
         return world_size, [("cpu", "cpu")] * world_size, ""
     if gpu_count == 1:
         if requested_world_size not in (None, 1):
-            raise ValueError(f"--world-size {requested_world_size} needs "
+            raise ValueError(f"{flag} {requested_world_size} needs "
                              f"{2 * requested_world_size} GPUs (2 per rank), but 1 is visible; "
-                             "use --world-size 1 or --backend gloo")
+                             f"use {flag} 1 or --backend gloo")
         return 1, [("cuda:0", "cuda:0")], ("note: one GPU, so both stages of the model share "
                                            "cuda:0 and the split moves nothing")
     # Each rank needs a pair: with an odd count the last GPU has no partner and stays idle.
@@ -65,14 +63,13 @@ def plan_devices(gpu_count, requested_world_size=None):
                 f"used and cuda:{gpu_count - 1} stays idle")
     world_size = requested_world_size or pairs
     if world_size > pairs:
-        raise ValueError(f"--world-size {world_size} needs {2 * world_size} GPUs (2 per rank), "
-                         f"but {gpu_count} are visible; use --world-size {pairs} or "
-                         "--backend gloo")
+        raise ValueError(f"{flag} {world_size} needs {2 * world_size} GPUs (2 per rank), "
+                         f"but {gpu_count} are visible; use {flag} {pairs} or --backend gloo")
     devices = [(f"cuda:{2 * rank}", f"cuda:{2 * rank + 1}") for rank in range(world_size)]
     return world_size, devices, note
 
 
-def choose_backend(requested, world_size):
+def choose_backend(requested, world_size, flag="--world-size"):
     """NCCL when the ranks have GPUs, else gloo on the CPU; and the plan of devices."""
     gpus = torch.cuda.device_count()
     if requested == "nccl" and (gpus == 0 or not dist.is_nccl_available()):
@@ -80,22 +77,10 @@ def choose_backend(requested, world_size):
     if requested == "gloo" or not dist.is_nccl_available():
         gpus = 0  # gloo keeps both stages of every rank on the CPU
     try:
-        world_size, devices, note = plan_devices(gpus, world_size)
+        world_size, devices, note = plan_devices(gpus, world_size, flag)
     except ValueError as error:
         fail(error)
     return ("nccl" if gpus else "gloo"), world_size, devices, note
-
-
-def port_in_use(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
-        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
 
 
 def find_free_port():
@@ -106,7 +91,7 @@ def find_free_port():
         return sock.getsockname()[1]
 
 
-def setup_process_group(rank, world_size, backend, dev0):
+def setup_process_group(rank, world_size, backend, dev0, timeout):
     """Join the group of world_size processes; return this rank's first device."""
     device = torch.device(dev0)
     if backend == "nccl":
@@ -118,11 +103,15 @@ def setup_process_group(rank, world_size, backend, dev0):
         # start one thread per core and spend their time fighting over them.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, cores // world_size))
-    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens.
+    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens. The
+    # timeout bounds the wait for the other ranks here, and every collective after it: a rank
+    # that never arrives ends the job with an error instead of a silent hang (the default is
+    # 10 minutes for NCCL, 30 for gloo).
     # No device_id here, unlike lesson 02: it would bind NCCL to dev0 alone, and NCCL refuses
     # any collective on another GPU ("backend constrained to cuda:0"). DDP all-reduces each
     # gradient on the GPU it lives on, so fc2's runs on dev1; NCCL keeps a communicator per GPU.
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
     return device
 
 
@@ -299,7 +288,7 @@ def main(rank, args):
     # Under torchrun the GPUs are planned per machine, so a rank's pair is found by its local
     # rank; under mp.spawn on one machine the two are the same.
     dev0, dev1 = args.devices[int(os.environ.get("LOCAL_RANK", rank))]
-    device = setup_process_group(rank, args.world_size, args.backend, dev0)
+    device = setup_process_group(rank, args.world_size, args.backend, dev0, args.timeout)
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
                                       args.world_size)
@@ -354,31 +343,21 @@ def main(rank, args):
 
 
 def worker(rank, args):
-    """What mp.spawn runs in each new process: main, then leave the process group."""
-    try:
+    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
+    with rank_guard(rank, args):  # a failure becomes one line; see the guard rails below
         main(rank, args)
-    finally:
-        # Also when training fails, so this rank does not leave its peers hanging.
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
-    # tearing them down while Python exits can abort a rank that has finished ("terminate
-    # called without an active exception"), failing a job whose results are written. Nothing
-    # is left to do: flush the output and leave at once, skipping that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        dist.destroy_process_group()
 
 
 def launch(args):
-    """Check the request, plan the devices, pick backend and port, then start one process per
-    rank; or, under torchrun, which has started them already, be one rank."""
+    """Plan the devices, pick backend and port, then start one process per rank; or, under
+    torchrun, which has started them already, be one rank."""
     args.start_time = time.time()
-    if "LOCAL_RANK" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        # torchrun set these, and MASTER_ADDR and MASTER_PORT: this process is a rank. The GPUs
-        # are planned for the ranks on this machine; the group spans all of them.
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        args.backend, _, args.devices, note = choose_backend(args.backend, local_world_size)
+    if started_by_torchrun():
+        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
+        # is a rank. The GPUs are planned for the ranks on this machine; the group spans all.
+        args.backend, _, args.devices, note = choose_backend(
+            args.backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun's --nproc-per-node")
         args.world_size = int(os.environ["WORLD_SIZE"])
         if note and os.environ["RANK"] == "0":
             print(note, flush=True)
@@ -391,30 +370,172 @@ def launch(args):
         print(note, flush=True)
     # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
     # loopback address; a port set in the environment wins, else any free one.
+    check_master_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" in os.environ:
-        port = os.environ["MASTER_PORT"]
-        if not port.isdigit() or not 0 < int(port) < 65536:
-            fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
-        if port_in_use(int(port)):
-            fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
-                 "(export MASTER_PORT=29501) or unset it to use a free port")
-    else:
-        os.environ["MASTER_PORT"] = str(find_free_port())
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    try:
-        # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
-        # with rank = 0 .. world_size - 1. If one raises, spawn stops the others and re-raises.
+    # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
+    # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
+    with spawn_guard("rank"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
+
+
+# =============================================================================================
+# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
+# a hang. The lesson is above; this section is worded the same in every lesson.
+# =============================================================================================
+def fail(message):
+    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
+    sys.exit(f"error: {message}")
+
+
+def check_args(args):
+    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
+    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
+                 "crash_at_epoch"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    for name in ("lr", "timeout"):
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            fail(f"--{name} must be positive (got {value:g})")
+    return args
+
+
+def started_by_torchrun():
+    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
+    # it starts.
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_launcher(torchrun_ok):
+    """Name the right command when a launcher the lesson is not written for started it."""
+    if started_by_torchrun() and not torchrun_ok:
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
+             f"05; start it with: python {sys.argv[0]}")
+
+
+def check_out_dir(path):
+    """--out-dir must be a folder this process can write to, or become one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as error:
+        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
+
+
+def start(entry, parse, torchrun_ok):
+    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
+    try:
+        check_launcher(torchrun_ok)
+        args = parse()
+        check_out_dir(args.out_dir)
+        entry(args)
+    except SystemExit as stop:
+        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
+        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
+            sys.exit(1)
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
+        # The terminal sent it to the ranks too, and they stop; any still running is stopped
+        # here, so that none is left behind.
+        for child in mp.active_children():
+            child.terminate()
+            child.join(timeout=10)
+        if not started_by_torchrun() or os.environ.get("RANK") == "0":
+            print("error: interrupted (Ctrl-C); the run stopped before it finished",
+                  file=sys.stderr)
+        sys.exit(130)
+
+
+def port_in_use(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
+        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def check_master_port():
+    """A MASTER_PORT set in the environment must be a port number that nothing listens on."""
+    port = os.environ.get("MASTER_PORT")
+    if port is None:
+        return
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
+    if port_in_use(int(port)):
+        fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
+             "(export MASTER_PORT=29501) or unset it to use a free port")
+
+
+@contextlib.contextmanager
+def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
+               lost_fix="another rank stopped, or stalled longer than --timeout; its output "
+                        "says which"):
+    """Around one rank's work: ranks that do not meet, or lose each other, end with one line
+    each, and Ctrl-C quietly; the rank leaves the process group however it ends.
+
+    The rank then ends as any Python program does. Lessons written for torch 2.14 once left
+    with os._exit here, against an abort at exit ("terminate called without an active
+    exception"); tools/repro_teardown.py runs this lesson without it and found none (see the
+    README)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C reached every process: the launcher says so, once
+    except Exception as error:
+        if not is_lost_contact(error):
+            raise  # this rank's own failure: spawn or torchrun shows its traceback
+        # The first line, without gloo's source location and its advice: what went wrong.
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
+        if not dist.is_initialized():
+            fail(f"rank {rank}: not all {args.world_size} ranks met at "
+                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                 f"{args.timeout:g} s ({reason}); {meet_fix}")
+        fail(f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}")
+    finally:
+        # Also when training fails, so this rank does not leave its peers hanging.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def is_lost_contact(error):
+    """Whether error says that the other ranks did not come, went away or stalled. In backward,
+    autograd hands on gloo's error as a plain RuntimeError, hence the look at its text."""
+    signs = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting",
+             "Broken pipe")
+    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in signs)
+
+
+@contextlib.contextmanager
+def spawn_guard(what, then=""):
+    """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
+    of spawn's), and the job ends; spawn has already stopped the other ranks."""
+    try:
+        yield
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
-        fail(f"rank {error.error_index} failed (its traceback is above); the other ranks "
-             "were stopped")
+        fail(f"{what} {error.error_index} failed (its traceback is above); the other {what}s "
+             f"were stopped{then}")
     except mp.ProcessExitedException as error:
-        fail(f"rank {error.error_index} died with exit code {error.exit_code} (killed, or out "
-             "of memory?); the other ranks were stopped")
+        if error.exit_code == 130:
+            raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
+        if error.exit_code == 1:
+            sys.exit(1)  # the rank stopped with its own one-line error, printed above
+        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
+             f"of memory?); the other {what}s were stopped{then}")
 
 
 def parse_args(argv=None):
@@ -435,14 +556,11 @@ def parse_args(argv=None):
                              "GPU, or 2 on the CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when there are GPUs, else gloo")
-    args = parser.parse_args(argv)
-    for name in ("epochs", "batch_size", "save_every", "world_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    if args.lr <= 0:
-        fail(f"--lr must be positive (got {args.lr})")
-    return args
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a rank waits for the others (to start, or in any "
+                             "collective) before giving up with an error")
+    return check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    launch(parse_args())
+    start(launch, parse_args, torchrun_ok=True)

@@ -511,8 +511,6 @@ def started_by_torchrun():
 def check_launcher(torchrun_ok):
     """Name the right command when a launcher the lesson is not written for started it."""
     if started_by_torchrun() and not torchrun_ok:
-        if os.environ.get("RANK", "0") != "0":
-            sys.exit(1)  # torchrun started one copy per rank: the first one says it, once
         fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
              f"05; start it with: python {sys.argv[0]}")
 
@@ -529,12 +527,18 @@ def check_out_dir(path):
         fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
 
 
-def start(entry, args, torchrun_ok):
-    """Check how the lesson was started and where it writes, then run entry(args)."""
-    check_launcher(torchrun_ok)
-    check_out_dir(args.out_dir)
+def start(entry, parse, torchrun_ok):
+    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
     try:
+        check_launcher(torchrun_ok)
+        args = parse()
+        check_out_dir(args.out_dir)
         entry(args)
+    except SystemExit as stop:
+        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
+        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
+            sys.exit(1)
+        raise
     except KeyboardInterrupt:
         # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
         # The terminal sent it to the ranks too, and they stop; any still running is stopped
@@ -574,40 +578,42 @@ def check_master_port():
 
 @contextlib.contextmanager
 def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
-               lost_fix="the rank that stopped first says why"):
+               lost_fix="another rank stopped, or stalled longer than --timeout; its output "
+                        "says which"):
     """Around one rank's work: ranks that do not meet, or lose each other, end with one line
-    each; the rank leaves the process group however it ends."""
+    each, and Ctrl-C quietly; the rank leaves the process group however it ends.
+
+    The rank then ends as any Python program does. Lessons written for torch 2.14 once left
+    with os._exit here, against an abort at exit ("terminate called without an active
+    exception"); tools/repro_teardown.py runs this lesson without it and found none (see the
+    README)."""
     try:
         yield
     except KeyboardInterrupt:
-        leave_process(130)  # Ctrl-C reached every process: the launcher says so, once
-    except dist.DistError as error:
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        sys.exit(130)  # Ctrl-C reached every process: the launcher says so, once
+    except Exception as error:
+        if not is_lost_contact(error):
+            raise  # this rank's own failure: spawn or torchrun shows its traceback
+        # The first line, without gloo's source location and its advice: what went wrong.
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
         if not dist.is_initialized():
-            print(f"error: rank {rank}: not all {args.world_size} ranks met at "
-                  f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                  f"{args.timeout:g} s ({reason}); {meet_fix}", file=sys.stderr)
-        else:
-            print(f"error: rank {rank} lost contact with the other ranks ({reason}); "
-                  f"{lost_fix}", file=sys.stderr)
-        leave_process(1)
+            fail(f"rank {rank}: not all {args.world_size} ranks met at "
+                 f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                 f"{args.timeout:g} s ({reason}); {meet_fix}")
+        fail(f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}")
     finally:
         # Also when training fails, so this rank does not leave its peers hanging.
         if dist.is_initialized():
             dist.destroy_process_group()
-    leave_process(0)
 
 
-def leave_process(exit_code):
-    """End this rank's process at once: its results are written and its group is left.
-
-    Once DDP has run, gloo's threads outlive destroy_process_group (seen with torch 2.14), and
-    tearing them down while Python exits can abort a rank that has finished ("terminate called
-    without an active exception"), failing a job whose results are written. os._exit skips
-    that teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+def is_lost_contact(error):
+    """Whether error says that the other ranks did not come, went away or stalled. In backward,
+    autograd hands on gloo's error as a plain RuntimeError, hence the look at its text."""
+    signs = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting",
+             "Broken pipe")
+    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in signs)
 
 
 @contextlib.contextmanager
@@ -629,6 +635,9 @@ def spawn_guard(what, then=""):
              f"of memory?); the other {what}s were stopped{then}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Guard rails of this lesson: a width or a checkpoint that cannot continue this run
+# ---------------------------------------------------------------------------------------------
 def check_sharding(args):
     """Refuse, before any rank starts, a width or a checkpoint that cannot work."""
     if args.hidden < 1:
@@ -689,4 +698,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    start(launch, parse_args(), torchrun_ok=False)
+    start(launch, parse_args, torchrun_ok=False)

@@ -292,11 +292,6 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    # As in lesson 02: gloo's threads can abort a finished rank at interpreter exit (torch 2.14),
-    # so flush and leave at once.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_world_size(world_size, backend, cases, total, args):

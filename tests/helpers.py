@@ -3,10 +3,12 @@
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -135,3 +137,65 @@ def run_nodes(commands, timeout=240):
                                                    err.read()))
         out.close(), err.close()
     return results
+
+
+def run_torchrun(lesson, *args, nproc=2, env=None, timeout=240, patch=None):
+    """`torchrun --standalone --nproc-per-node N <lesson>/train.py args...`, as a learner types it
+    (python -m torch.distributed.run is the same program), with torchrun's own MASTER_* only."""
+    script = [str(ROOT / lesson / "train.py")]
+    if patch:
+        script = [str(ROOT / "tests" / "patched_lesson.py"), script[0], patch]
+    clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(nproc), *script, *map(str, args)]
+    return subprocess.run(command, cwd=ROOT, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def error_lines(text):
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+def live_processes_in_group(group):
+    """Pids of the processes of a process group that are still alive (zombies do not count)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended while we looked
+        state, process_group = fields[0], int(fields[2])
+        if process_group == group and state != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def interrupt_when(command, marker, timeout=180):
+    """Start command in its own process group, wait for a stdout line starting with marker, then
+    press Ctrl-C: SIGINT to the whole group, as a terminal sends it. Returns (finished process,
+    seconds it took to end after Ctrl-C, pids of the group still alive 10 s after it ended)."""
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    watchdog = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        seen = []
+        for line in process.stdout:
+            seen.append(line)
+            if line.startswith(marker):
+                break
+        pressed = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+        took = time.monotonic() - pressed
+    finally:
+        watchdog.cancel()
+    deadline = time.monotonic() + 10
+    while live_processes_in_group(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = live_processes_in_group(process.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    result = subprocess.CompletedProcess(command, process.returncode, "".join(seen) + out, err)
+    return result, took, left

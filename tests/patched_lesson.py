@@ -10,6 +10,8 @@ PATCH is one of:
                   the second torch.save of the run writes half its bytes, then its process is
                   killed (SIGKILL), as by a power cut or the out-of-memory killer mid-write
   log-writes      every save_atomically call prints "write <file name> by rank <rank>"
+  stall-rank-1    rank 1 sleeps for 5 minutes at the start of its second epoch (a rank that
+                  hangs), so its peers wait in their next collective until --timeout
   no-gradient-sync
                   gradients are never combined across ranks: DDP keeps each rank's own (a
                   communication hook that skips the all-reduce), and FSDP's reduce-scatter hands
@@ -25,6 +27,7 @@ import io
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,12 @@ class NoSync(nn.Module):
 def raise_on_rank_1(self, epoch):
     if self.rank == 1 and epoch == 1:
         raise RuntimeError("injected failure on rank 1")
+    return original_train_epoch(self, epoch)
+
+
+def stall_rank_1(self, epoch):
+    if self.rank == 1 and epoch == 1:
+        time.sleep(300)
     return original_train_epoch(self, epoch)
 
 
@@ -98,6 +107,8 @@ elif patch == "raise-on-rank-1":
     lesson.Trainer.train_epoch = raise_on_rank_1
 elif patch == "die-while-saving":
     torch.save = die_while_saving
+elif patch == "stall-rank-1":
+    lesson.Trainer.train_epoch = stall_rank_1
 elif patch == "log-writes":
     lesson.save_atomically = log_writes
 elif patch == "no-gradient-sync":

@@ -7,9 +7,11 @@ from helpers import (
     GPUS,
     assert_good_run,
     assert_one_line_error,
+    error_lines,
     evaluate_single_process,
     read_metrics,
     run_lesson,
+    run_torchrun,
 )
 
 LESSON = "01_single_gpu"
@@ -61,3 +63,21 @@ def test_bad_input_gets_one_clear_line(args, fragment, tmp_path):
 def test_cuda_without_a_gpu_is_refused(tmp_path):
     result = run_lesson(LESSON, "--device", "cuda", "--out-dir", tmp_path)
     assert_one_line_error(result, "none is visible", "--device cpu")
+
+
+def test_out_dir_that_is_a_file_gets_one_clear_line(tmp_path):
+    path = tmp_path / "results"
+    path.write_text("a file where the results folder should go\n")
+    assert_one_line_error(run_lesson(LESSON, "--out-dir", path), f"--out-dir {path} is a file",
+                          "choose another --out-dir")
+
+
+def test_torchrun_is_named_as_the_wrong_launcher_once(tmp_path):
+    # torchrun starts 2 copies of a one-process lesson: one line says how to start it instead.
+    result = run_torchrun(LESSON, "--out-dir", tmp_path, nproc=2)
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr
+    assert "is not written for torchrun" in errors[0]
+    assert "start it with: python " in errors[0] and "01_single_gpu/train.py" in errors[0]
+    assert not (tmp_path / "metrics.json").exists()

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,11 +19,14 @@ from helpers import (
     ROOT,
     assert_good_run,
     assert_one_line_error,
+    error_lines,
     evaluate_single_process,
     import_lesson,
+    interrupt_when,
     max_weight_difference,
     read_metrics,
     run_lesson,
+    run_torchrun,
 )
 
 LESSON = "02_multi_gpu_spawn"
@@ -190,3 +194,53 @@ def test_two_jobs_started_at_the_same_moment_both_succeed(tmp_path):
         assert job.returncode == 0, stderr
     for i in range(2):
         assert read_metrics(tmp_path / f"job{i}")["test_total"] == 36
+
+
+def test_out_dir_that_is_a_file_gets_one_clear_line(tmp_path):
+    path = tmp_path / "results"
+    path.write_text("a file where the results folder should go\n")
+    result = run_lesson(LESSON, *CPU, "--out-dir", path)
+    assert_one_line_error(result, f"--out-dir {path} is a file", "choose another --out-dir")
+    assert "starting" not in result.stdout  # refused before any rank started
+
+
+def test_torchrun_is_named_as_the_wrong_launcher_not_the_port(tmp_path):
+    # This lesson starts its own ranks with mp.spawn; under torchrun it used to blame the port.
+    result = run_torchrun(LESSON, *CPU, "--out-dir", tmp_path, nproc=2)
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr
+    assert "is not written for torchrun" in errors[0]
+    assert "start it with: python " in errors[0] and "02_multi_gpu_spawn/train.py" in errors[0]
+    assert "already in use" not in result.stderr
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+    # Ctrl-C in a terminal sends SIGINT to the launcher and to its ranks at once.
+    result, took, left = interrupt_when(
+        [sys.executable, str(ROOT / LESSON / "train.py"), *CPU, "--world-size", "2",
+         "--epochs", "100000", "--out-dir", str(tmp_path)], marker="epoch")
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and "interrupted (Ctrl-C)" in errors[0], result.stderr
+    assert took < 30
+    assert not left, f"processes left behind: {left}"
+
+
+def test_a_stalled_rank_ends_the_job_within_the_timeout(lesson_run):
+    # Rank 1 sleeps for 5 minutes in its second epoch; rank 0 waits for it in the all-reduce
+    # only as long as --timeout, then the job ends with one line.
+    start = time.monotonic()
+    result, _ = lesson_run(LESSON, *CPU, "--world-size", 2, "--epochs", 3, "--timeout", 5,
+                           patch="stall-rank-1")
+    line = assert_one_line_error(result, "rank 0 lost contact with the other ranks",
+                                 "stalled longer than --timeout")
+    assert "Timed out" in line or "timed out" in line, line
+    assert time.monotonic() - start < 150
+
+
+def test_timeout_must_be_positive(tmp_path):
+    assert_one_line_error(run_lesson(LESSON, "--timeout", 0, "--out-dir", tmp_path),
+                          "--timeout must be positive")

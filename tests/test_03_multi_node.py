@@ -6,6 +6,7 @@ test_gpu.py."""
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -291,3 +292,34 @@ def test_manual_flags_under_torchrun_are_refused(tmp_path):
     assert result.returncode != 0
     assert "give --nnodes, --node-rank, --nproc-per-node, --master-addr and --master-port to " \
            "torchrun" in result.stderr
+
+
+def test_a_node_that_goes_away_is_named_in_one_line(tmp_path):
+    # Node 1 is killed mid-training (a machine that crashed or lost its network). Node 0 ends
+    # promptly with one line that says a peer node went away and whose log to read.
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, SCRIPT, *CPU, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+         str(node_rank), "--master-port", str(port), "--epochs", "100000", "--out-dir",
+         str(tmp_path / f"node{node_rank}")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for node_rank in (0, 1)]
+    try:
+        for line in nodes[0].stdout:
+            if line.startswith("epoch   2/"):
+                break
+        os.killpg(nodes[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        out, err = nodes[0].communicate(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+            node.communicate()
+    result = subprocess.CompletedProcess(nodes[0].args, nodes[0].returncode, out, err)
+    line = assert_one_line_error(result, "lost contact with the other ranks",
+                                 "a peer node went away", "the log of node 1")
+    assert line.startswith("error: rank 0 ")
+    assert took < 60

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -15,10 +16,14 @@ from helpers import (
     ROOT,
     assert_good_run,
     assert_one_line_error,
+    error_lines,
     evaluate_single_process,
+    free_port,
     load_weights,
     read_metrics,
     run_lesson,
+    run_nodes,
+    run_torchrun,
 )
 
 LESSON = "04_checkpointing"
@@ -66,7 +71,8 @@ def test_default_run_writes_a_snapshot_and_a_final_model(lesson_run):
     metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
     assert (metrics["resumed_after_epoch"], metrics["launcher"]) == (0, "spawn")
     saved = snapshot(out_dir)
-    assert sorted(saved) == ["epochs_completed", "model", "optimizer", "train_loss", "world_size"]
+    assert sorted(saved) == ["epochs_completed", "model", "optimizer", "settings", "train_loss",
+                             "world_size"]
     assert (saved["epochs_completed"], saved["world_size"]) == (20, 2)
     assert saved["train_loss"] == metrics["train_loss"]
     assert list(saved["model"]) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
@@ -90,6 +96,7 @@ def test_crash_then_resume_equals_the_run_that_never_crashed(crashed, uninterrup
     resumed = run_lesson(LESSON, *CPU, *SHORT, "--world-size", world_size, "--out-dir", out_dir)
     metrics = assert_good_run_resumed(resumed, out_dir, world_size)
     assert metrics["resumed_after_epoch"] == 2
+    assert metrics["lr"] == snapshot(out_dir)["optimizer"]["param_groups"][0]["lr"] == 0.01
     assert_bitwise_equal(out_dir, uninterrupted(world_size))
 
 
@@ -156,6 +163,7 @@ def test_a_snapshot_resumes_with_another_world_size(crashed, uninterrupted, tmp_
     result = run_lesson(LESSON, *CPU, *SHORT, "--world-size", after, "--out-dir", out_dir)
     metrics = assert_good_run_resumed(result, out_dir, after)
     assert f"written by {before} ranks and {after} resume it" in result.stdout
+    assert f"the global batch goes from {32 * before} to {32 * after}" in result.stdout
     # The epochs before the crash are the old world size's, to the last bit.
     assert metrics["train_loss"][:2] == read_metrics(uninterrupted(before))["train_loss"][:2]
     assert metrics["train_loss"][-1] < metrics["train_loss"][0]
@@ -212,3 +220,53 @@ def test_more_epochs_done_than_asked_for_is_refused(uninterrupted, tmp_path):
 def test_crash_at_epoch_zero_gets_one_clear_line(tmp_path):
     result = run_lesson(LESSON, *CPU, "--crash-at-epoch", 0, "--out-dir", tmp_path)
     assert_one_line_error(result, "--crash-at-epoch must be at least 1")
+
+
+@pytest.mark.parametrize("flag, value, saved", [("--lr", "0.5", "0.01"), ("--seed", "7", "0"),
+                                                ("--batch-size", "8", "32")])
+def test_a_resume_with_other_settings_is_refused(uninterrupted, tmp_path, flag, value, saved):
+    # The snapshot of a run with --lr 0.01 --seed 0 --batch-size 32 would continue as another
+    # run: Adam's restored state puts the old rate back, the seed reorders the samples, the
+    # batch size changes the steps. One line says which flag, both values and the way out.
+    shutil.copy(uninterrupted(2) / "snapshot.pt", tmp_path / "snapshot.pt")
+    result = run_lesson(LESSON, *CPU, *SHORT, flag, value, "--out-dir", tmp_path)
+    assert_one_line_error(result, f"{flag} {value} differs", f"used {flag} {saved}",
+                          f"resume it with {flag} {saved}", "another --out-dir")
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_torchrun_ranks_wait_for_a_stalled_rank_only_as_long_as_the_timeout(tmp_path):
+    # Under torchrun, as under mp.spawn, --timeout bounds every collective (not gloo's
+    # 30-minute default): rank 1 sleeps for 5 minutes, rank 0 gives up after 5 s.
+    start = time.monotonic()
+    result = run_torchrun(LESSON, *CPU, *SHORT, "--timeout", 5, "--out-dir", tmp_path,
+                          patch="stall-rank-1")
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr
+    assert "rank 0 lost contact with the other ranks" in errors[0]
+    assert time.monotonic() - start < 150
+
+
+def test_a_node_that_cannot_see_the_snapshot_stops_the_job(uninterrupted, tmp_path):
+    # Two torchrun "nodes" on this machine, each with its own --out-dir, as on two machines
+    # without a shared filesystem: node 0's folder holds a snapshot, node 1's is empty. Rank 0
+    # decides to resume; rank 1 cannot see that file, and the job stops with one line.
+    out_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for out_dir in out_dirs:
+        out_dir.mkdir()
+    shutil.copy(uninterrupted(2) / "snapshot.pt", out_dirs[0] / "snapshot.pt")
+    port = free_port()
+    results = run_nodes([
+        ([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+          "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+          str(ROOT / LESSON / "train.py"), *CPU, *SHORT, "--out-dir", str(out_dirs[node_rank])],
+         {}) for node_rank in (0, 1)], timeout=180)
+    for result in results:
+        assert result.returncode != 0
+    errors = error_lines(results[0].stderr)
+    assert len(errors) == 1, results[0].stderr
+    assert "rank 1" in errors[0] and "cannot read" in errors[0]
+    assert "filesystem shared by all nodes" in errors[0]
+    assert not error_lines(results[1].stderr), results[1].stderr
+    assert not (out_dirs[0] / "final.pt").exists() and not any(out_dirs[1].iterdir())

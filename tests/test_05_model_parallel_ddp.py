@@ -10,14 +10,17 @@ import pytest
 import torch
 
 from helpers import (
+    GPUS,
     ROOT,
     assert_good_run,
     assert_one_line_error,
+    error_lines,
     evaluate_single_process,
     import_lesson,
     max_weight_difference,
     read_metrics,
     run_lesson,
+    run_torchrun,
 )
 
 LESSON = "05_model_parallel_ddp"
@@ -123,3 +126,22 @@ def test_torchrun_starts_the_ranks_instead_of_spawn(tmp_path):
 def test_world_size_zero_gets_one_clear_line(tmp_path):
     result = run_lesson(LESSON, *CPU, "--world-size", 0, "--out-dir", tmp_path)
     assert_one_line_error(result, "--world-size must be at least 1")
+
+
+def test_device_plan_under_torchrun_names_torchruns_flag():
+    # Under torchrun the ranks per machine come from torchrun's --nproc-per-node; the script's
+    # --world-size does not apply there, so the fix must not name it.
+    with pytest.raises(ValueError) as error:
+        import_lesson(LESSON).plan_devices(2, 2, "torchrun's --nproc-per-node")
+    assert "torchrun's --nproc-per-node 2 needs 4 GPUs" in str(error.value)
+    assert "use torchrun's --nproc-per-node 1" in str(error.value)
+    assert "--world-size" not in str(error.value)
+
+
+@pytest.mark.skipif(GPUS > 0, reason="this machine has GPUs, so --backend nccl is valid here")
+def test_a_bad_request_under_torchrun_is_said_once_not_once_per_rank(tmp_path):
+    result = run_torchrun(LESSON, "--backend", "nccl", "--out-dir", tmp_path, nproc=2)
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr
+    assert "--backend nccl needs CUDA GPUs" in errors[0]

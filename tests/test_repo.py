@@ -74,3 +74,25 @@ def test_lessons_stand_alone(script: Path):
     relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
     assert not relative, f"{script.name} uses a relative import"
     assert imported <= ALLOWED_TOP_LEVEL, f"unexpected imports: {imported - ALLOWED_TOP_LEVEL}"
+
+
+def guard_rails(lesson):
+    """The shared guard-rails section of a lesson's train.py: from its banner to the lesson's
+    own guard rails, if any, or to parse_args."""
+    text = (ROOT / lesson / "train.py").read_text()
+    start = text.index("# Guard rails: ")
+    ends = [text.find(marker, start) for marker in ("# Guard rails of this lesson",
+                                                     "\ndef parse_args(")]
+    return text[start:min(end for end in ends if end >= 0)].rstrip("# -\n")
+
+
+def test_guard_rails_are_worded_the_same_in_every_lesson():
+    # The diff from lesson 02 to 03, 04, 05 and 07 then shows only what each lesson teaches; the
+    # section is new in 02 alone (01 has its part that needs no ranks).
+    shared = guard_rails("02_multi_gpu_spawn")
+    for lesson in ("03_multi_node", "04_checkpointing", "05_model_parallel_ddp", "07_sharding"):
+        assert guard_rails(lesson) == shared, f"{lesson}: copy lesson 02's guard rails"
+    first = guard_rails("01_single_gpu")
+    for function in first.split("\n\n\ndef ")[1:]:
+        if not function.startswith("start("):  # 02's start also stops the ranks on Ctrl-C
+            assert f"\n\n\ndef {function}" in shared, function.splitlines()[0]
