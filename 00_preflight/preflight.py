@@ -286,6 +286,9 @@ def plan(facts):
          [f"{python} 06_ddp_in_practice/train.py --world-size 2 --precision bf16 "
           f"--batch-size 8 --accumulate 4 --clip-grad-norm 1{on_cpu}"],
          "2 ranks, bf16, 4 micro-batches per step, clipping", cpu_ok),
+        ("07_sharding", "cpu",
+         [f"{python} 07_sharding/train.py --world-size 2{on_cpu}"],
+         "2 ranks, FSDP: each holds half of every tensor", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -305,6 +308,8 @@ def plan(facts):
              [f"{python} 06_ddp_in_practice/train.py --precision bf16 --clip-grad-norm 1"],
              "one rank per GPU, NCCL, bf16 (--precision fp16 on GPUs older than Ampere)",
              gpu_ok),
+            ("07_sharding", "gpu", [f"{python} 07_sharding/train.py"],
+             f"{gpus} rank(s), one per GPU, FSDP over NCCL", gpu_ok),
         ]
     can, cannot = [], []
     for lesson, where, commands, note, runnable in wanted:

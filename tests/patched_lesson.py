@@ -20,6 +20,11 @@ PATCH is one of:
                   --accumulate (lesson 06's control)
   stall-rank-1    rank 1 sleeps for 5 minutes at the start of its second epoch (a rank that
                   hangs), so its peers wait in their next collective until --timeout
+  no-gradient-sync
+                  gradients are never combined across ranks: DDP keeps each rank's own (a
+                  communication hook that skips the all-reduce), and FSDP's reduce-scatter hands
+                  each rank the slice of its own gradient instead of the sum over ranks (the
+                  control for lesson 07's sharding-math test)
 
 spawn starts each rank by re-running this file's top level (as __mp_main__), so the patch is
 applied in every rank, not only in the launching process.
@@ -36,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 script, patch = sys.argv[1], sys.argv[2]
 spec = importlib.util.spec_from_file_location("lesson", script)
@@ -134,6 +140,20 @@ def step_every_micro_batch(self, micro_batches):
     losses = [original_train_step(self, [micro_batch]) * len(micro_batch[1])
               for micro_batch in micro_batches]
     return sum(losses) / sum(len(labels) for _, labels in micro_batches)
+def keep_local_gradients(_state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+class DDPWithoutAllReduce(DistributedDataParallel):
+    def __init__(self, module, **kwargs):
+        super().__init__(module, **kwargs)
+        self.register_comm_hook(None, keep_local_gradients)
+
+
+def reduce_scatter_without_sum(output, input, group=None, op=None, async_op=False):
+    output.copy_(input.chunk(dist.get_world_size(group))[dist.get_rank(group)])
 
 
 original_train_epoch = lesson.Trainer.train_epoch
@@ -162,6 +182,9 @@ elif patch == "loss-not-divided":
 elif patch == "step-every-micro-batch":
     lesson.F = LossTimes(1 / accumulate_from_argv())
     lesson.Trainer.train_step = step_every_micro_batch
+elif patch == "no-gradient-sync":
+    lesson.DDP = DDPWithoutAllReduce
+    dist.reduce_scatter_single = reduce_scatter_without_sum
 else:
     sys.exit(f"error: unknown patch {patch!r}")
 

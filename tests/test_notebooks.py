@@ -45,6 +45,9 @@ EXPECTED_TEXT = {
                            "all-reduces: 1 for the batch of 32, 1 for 2 micro-batches with "
                            "no_sync, 2 without it", "test accuracy:",
                            "both ranks measured the same gradient norms: True"],
+    "07_sharding": ["same weights under all three strategies: True",
+                    "drawing agrees with the measured bytes: True",
+                    "model.fc1.weight rows 2048-4095 in __1_0.distcp", "test accuracy:"],
 }
 
 

@@ -1,0 +1,295 @@
+"""Lesson 07, run as a learner runs it: python 07_sharding/train.py (mp.spawn, gloo/CPU).
+
+The same training as DDP, with less held per rank: ZeRO-1 and FSDP end with lesson 02's weights,
+each rank holds the bytes the arithmetic says, and the sharded checkpoint resumes exactly, also
+under another strategy and world size. The GPU tier (NCCL) is at the end of this file."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from helpers import (
+    GPUS,
+    assert_good_run,
+    assert_one_line_error,
+    evaluate_single_process,
+    load_weights,
+    max_weight_difference,
+    read_metrics,
+    run_lesson,
+)
+
+LESSON = "07_sharding"
+CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
+SHARDED = ["zero1", "fsdp"]
+# The wine MLP's tensors (hidden 64) as (rows, elements per row): FSDP cuts each along its rows.
+SHAPES = {"fc1.weight": (64, 13), "fc1.bias": (64, 1), "fc2.weight": (3, 64), "fc2.bias": (3, 1)}
+FLOAT = 4  # bytes of a float32
+ADAM_STEP = 4  # bytes of Adam's step count, one float32 scalar per parameter tensor
+
+
+def two_ranks(lesson_run, strategy, *args, patch=None):
+    """2 ranks x batch 16 = the global batch 32 of the comparisons below."""
+    return lesson_run(LESSON, *CPU, "--strategy", strategy, "--world-size", 2,
+                      "--batch-size", 16, *args, patch=patch)
+
+
+def lesson02(lesson_run, world_size, batch_size):
+    # The very runs test_02_multi_gpu_spawn.py makes: the fixture runs each only once.
+    return lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", world_size,
+                      "--batch-size", batch_size)[1]
+
+
+def memory(out_dir):
+    """Per rank: {"parameters", "gradients", "optimizer_state", "peak"} in bytes."""
+    return read_metrics(out_dir)["memory"]
+
+
+def fsdp_rows(rows, rank, world_size):
+    """The rows of a tensor that FSDP gives a rank: chunks of ceil(rows / N), the last short."""
+    chunk = math.ceil(rows / world_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
+def test_every_strategy_learns_and_writes_lesson_01s_weights(lesson_run, strategy):
+    result, out_dir = two_ranks(lesson_run, strategy)
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert (metrics["strategy"], metrics["backend"], metrics["hidden"]) == (strategy, "gloo", 64)
+    # final.pt is the full model, gathered from the shards: lesson 01's model evaluates it to
+    # the count the ranks made together.
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+    assert f"memory per rank ({strategy}, 2 ranks, hidden 64)" in result.stdout
+    assert metrics["peak_memory_measure"] == "max_rss"
+    assert all(row["peak"] > 0 for row in metrics["memory"])
+
+
+def test_ddp_strategy_is_lesson_02_to_the_last_bit(lesson_run):
+    _, ours = two_ranks(lesson_run, "ddp")
+    assert max_weight_difference(ours, lesson02(lesson_run, 2, 16)) == 0.0
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_sharded_training_takes_the_steps_of_ddp_and_of_one_process(lesson_run, strategy):
+    _, sharded = two_ranks(lesson_run, strategy)
+    assert max_weight_difference(sharded, lesson02(lesson_run, 2, 16)) < 1e-5
+    assert max_weight_difference(sharded, lesson02(lesson_run, 1, 32)) < 1e-5
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_control_without_gradient_reduction_gives_other_weights(lesson_run, strategy):
+    # The same run with the gradients never combined across ranks (tests/patched_lesson.py):
+    # the comparison above must fail, or it could not tell a sharded step from a local one.
+    result, alone = two_ranks(lesson_run, strategy, patch="no-gradient-sync")
+    assert result.returncode == 0, result.stderr
+    assert max_weight_difference(alone, lesson02(lesson_run, 1, 32)) > 1e-2
+
+
+def ddp_bytes():
+    """What DDP holds on every rank: all of it."""
+    params = sum(rows * width for rows, width in SHAPES.values()) * FLOAT
+    return {"parameters": params, "gradients": params,
+            "optimizer_state": 2 * params + ADAM_STEP * len(SHAPES)}  # exp_avg, exp_avg_sq
+
+
+def memory_run(lesson_run, request, strategy, world_size):
+    if world_size == 2:
+        return memory(two_ranks(lesson_run, strategy)[1])  # the runs above
+    if (strategy, world_size) == ("zero1", 1):  # the resume from fsdp below trains 19 epochs
+        return memory(request.getfixturevalue("zero1_resumed_from_fsdp")[1])
+    result, out_dir = lesson_run(LESSON, *CPU, "--strategy", strategy, "--world-size",
+                                 world_size, "--epochs", 2)
+    assert result.returncode == 0, result.stderr
+    return memory(out_dir)
+
+
+def test_ddp_holds_everything_on_every_rank(lesson_run):
+    rows = memory(two_ranks(lesson_run, "ddp")[1])
+    assert [{k: v for k, v in row.items() if k != "peak"} for row in rows] == [ddp_bytes()] * 2
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_fsdp_holds_one_nth_of_everything(lesson_run, request, world_size):
+    full = ddp_bytes()
+    rows = memory_run(lesson_run, request, "fsdp", world_size)
+    assert len(rows) == world_size
+    for rank, row in enumerate(rows):
+        # Exactly this rank's rows of each tensor; 1/N of DDP's up to the one row per tensor
+        # by which the uneven ones (fc2's 3 rows over 2 or 4 ranks) differ between ranks.
+        params = sum(fsdp_rows(rows_, rank, world_size) * width
+                     for rows_, width in SHAPES.values()) * FLOAT
+        assert row["parameters"] == row["gradients"] == params
+        assert row["optimizer_state"] == 2 * params + ADAM_STEP * len(SHAPES)
+        padding = sum(width for _, width in SHAPES.values()) * FLOAT
+        for key in ("parameters", "gradients", "optimizer_state"):
+            assert abs(row[key] - full[key] / world_size) <= 2 * padding, (key, row)
+    # Every element is held by exactly one rank.
+    assert sum(row["parameters"] for row in rows) == full["parameters"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_zero1_holds_one_nth_of_the_optimizer_state_by_whole_tensors(lesson_run, request,
+                                                                    world_size):
+    full = ddp_bytes()
+    rows = memory_run(lesson_run, request, "zero1", world_size)
+    assert len(rows) == world_size
+    # Parameters and gradients stay whole on every rank, as under DDP.
+    assert all(row["parameters"] == row["gradients"] == full["parameters"] for row in rows)
+    # Adam's state of each tensor is held by exactly one rank, none twice ...
+    assert sum(row["optimizer_state"] for row in rows) == full["optimizer_state"]
+    # ... and ZeroRedundancyOptimizer deals whole tensors, largest first, to the rank with
+    # the fewest elements so far: a rank's share is 1/N up to one tensor, the largest
+    # (fc1.weight, 13 x 64), so no rank holds more than that tensor's state or 1/N plus it.
+    largest = 2 * 64 * 13 * FLOAT + ADAM_STEP
+    for row in rows:
+        assert row["optimizer_state"] <= max(largest, full["optimizer_state"] / world_size
+                                             + largest)
+        assert row["optimizer_state"] > 0 or world_size > len(SHAPES)
+    if world_size > 1:
+        assert max(row["optimizer_state"] for row in rows) < full["optimizer_state"]
+
+
+@pytest.fixture(scope="module")
+def crashed_and_resumed(lesson_run, tmp_path_factory):
+    """fsdp, 2 ranks: checkpoint after every epoch, rank 1 raises at the start of epoch 2;
+    a copy of the checkpoint is kept; the same command runs again and resumes."""
+    out_dir = tmp_path_factory.mktemp("lesson07_crash")
+    args = [*CPU, "--strategy", "fsdp", "--world-size", 2, "--batch-size", 16,
+            "--save-every", 1, "--out-dir", out_dir]
+    crashed = run_lesson(LESSON, *args, patch="raise-on-rank-1")
+    saved = out_dir / "checkpoint" / "epoch_0001"
+    kept = tmp_path_factory.mktemp("lesson07_kept") / "checkpoint" / "epoch_0001"
+    shutil.copytree(saved, kept)
+    # A save of epoch 2 that was cut short: its files, no .metadata. It must not be loaded.
+    shutil.copytree(saved, out_dir / "checkpoint" / "epoch_0002")
+    (out_dir / "checkpoint" / "epoch_0002" / ".metadata").unlink()
+    resumed = run_lesson(LESSON, *args)
+    return crashed, resumed, out_dir, kept.parent.parent
+
+
+def test_a_crash_and_a_resume_end_bitwise_equal_to_a_run_that_never_crashed(
+        lesson_run, crashed_and_resumed):
+    crashed, resumed, out_dir, _ = crashed_and_resumed
+    assert crashed.returncode != 0
+    assert "injected failure on rank 1" in crashed.stderr
+    assert crashed.stderr.strip().splitlines()[-1].startswith("error: rank 1 failed")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "epoch_0001: 1 of 20 epochs done, written by fsdp on 2 ranks" in resumed.stdout
+    printed = [line.split()[1] for line in resumed.stdout.splitlines() if line.startswith("epoch")]
+    assert printed == [f"{epoch}/20" for epoch in range(2, 21)], resumed.stdout
+    _, uninterrupted = two_ranks(lesson_run, "fsdp")
+    assert read_metrics(out_dir)["train_loss"] == read_metrics(uninterrupted)["train_loss"]
+    reference = load_weights(uninterrupted)
+    assert all(torch.equal(reference[k], v) for k, v in load_weights(out_dir).items())
+    # Only the last finished checkpoint is left; the unfinished one was replaced.
+    assert [p.name for p in (out_dir / "checkpoint").iterdir()] == ["epoch_0020"]
+
+
+@pytest.fixture(scope="module")
+def zero1_resumed_from_fsdp(crashed_and_resumed):
+    """The fsdp checkpoint of 2 ranks after epoch 1, resumed by zero1 on 1 rank x batch 32."""
+    *_, kept = crashed_and_resumed
+    out_dir = kept / "zero1_from_fsdp"
+    shutil.copytree(kept / "checkpoint", out_dir / "checkpoint")
+    result = run_lesson(LESSON, *CPU, "--strategy", "zero1", "--world-size", 1,
+                        "--out-dir", out_dir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, out_dir
+
+
+def test_a_checkpoint_loads_into_another_strategy_and_world_size(lesson_run,
+                                                                 zero1_resumed_from_fsdp):
+    # The same global batch, so the model and Adam's state, loaded correctly, make the run end
+    # with the weights of the fsdp run that never stopped. (Without Adam's state it would not.)
+    result, out_dir = zero1_resumed_from_fsdp
+    assert "written by fsdp on 2 ranks, loaded by zero1 on 1" in result.stdout
+    _, uninterrupted = two_ranks(lesson_run, "fsdp")
+    assert max_weight_difference(out_dir, uninterrupted) < 1e-5
+
+
+def test_zero1s_checkpoint_loads_bitwise_into_ddp_on_one_rank(lesson_run, tmp_path):
+    # Each zero1 rank wrote Adam's state of its own tensors only; DDP needs all of it, and the
+    # weights come back to the last bit.
+    _, zero1 = two_ranks(lesson_run, "zero1")
+    shutil.copytree(zero1 / "checkpoint", tmp_path / "checkpoint")
+    result = run_lesson(LESSON, *CPU, "--strategy", "ddp", "--world-size", 1, "--out-dir",
+                        tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "20 of 20 epochs done, written by zero1 on 2 ranks, loaded by ddp on 1" in result.stdout
+    reference = load_weights(zero1)
+    assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
+
+
+def test_a_checkpoint_of_another_width_is_refused_in_one_line(lesson_run, tmp_path):
+    _, zero1 = two_ranks(lesson_run, "zero1")
+    shutil.copytree(zero1 / "checkpoint", tmp_path / "checkpoint")
+    result = run_lesson(LESSON, *CPU, "--hidden", 128, "--out-dir", tmp_path)
+    assert_one_line_error(result, "holds a model with --hidden 64, not 128",
+                          "resume with --hidden 64")
+    result = run_lesson(LESSON, *CPU, "--epochs", 5, "--out-dir", tmp_path)
+    assert_one_line_error(result, "has 20 epochs done, more than --epochs 5")
+    metadata = tmp_path / "checkpoint" / "epoch_0020" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])  # damaged
+    result = run_lesson(LESSON, *CPU, "--out-dir", tmp_path)
+    assert_one_line_error(result, "cannot be loaded", "delete it")
+    assert not (tmp_path / "final.pt").exists()  # nothing trained from scratch in its place
+
+
+def test_bad_input_gets_one_clear_line(tmp_path):
+    result = run_lesson(LESSON, *CPU, "--hidden", 0, "--out-dir", tmp_path)
+    assert_one_line_error(result, "--hidden must be at least 1")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier: the same on NCCL, with torch.cuda.max_memory_allocated per rank
+# ---------------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU; none is visible here")
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine has {GPUS}")
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_sharded_run_learns_and_measures_cuda_memory(lesson_run, strategy):
+    world_size = min(GPUS, 2)
+    result, out_dir = lesson_run(LESSON, "--backend", "nccl", "--strategy", strategy,
+                                 "--world-size", world_size)
+    metrics = assert_good_run(result, out_dir, world_size=world_size, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert metrics["peak_memory_measure"] == "cuda_max_allocated"
+    full = ddp_bytes()
+    for row in metrics["memory"]:
+        assert 0 < row["peak"] < 1 << 30
+        if strategy == "fsdp":
+            assert row["parameters"] <= full["parameters"] / world_size + 64 * FLOAT * 2
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+@needs_two
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_gpu_sharded_math_matches_one_process(lesson_run, strategy):
+    _, sharded = lesson_run(LESSON, "--backend", "nccl", "--strategy", strategy,
+                            "--world-size", 2, "--batch-size", 16)
+    _, one = lesson_run("02_multi_gpu_spawn", "--backend", "nccl", "--world-size", 1,
+                        "--batch-size", 32)
+    assert max_weight_difference(sharded, one) < 1e-4
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_checkpoint_resumes_bitwise(lesson_run, tmp_path):
+    world_size = min(GPUS, 2)
+    args = ["--backend", "nccl", "--strategy", "fsdp", "--world-size", world_size, "--epochs", 4]
+    _, uninterrupted = lesson_run(LESSON, *args)
+    first = run_lesson(LESSON, *args[:-1], 2, "--out-dir", tmp_path)
+    assert first.returncode == 0, first.stderr
+    resumed = run_lesson(LESSON, *args, "--out-dir", tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "2 of 4 epochs done" in resumed.stdout
+    reference = load_weights(uninterrupted)
+    assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
+    assert json.loads((tmp_path / "metrics.json").read_text())["resumed_after_epoch"] == 2
