@@ -532,12 +532,8 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
                lost_fix="another rank stopped, or stalled longer than --timeout; its output "
                         "says which"):
     """Around one rank's work: ranks that do not meet, or lose each other, end with one line
-    each, and Ctrl-C quietly; the rank leaves the process group however it ends.
-
-    The rank then ends as any Python program does. Lessons written for torch 2.14 once left
-    with os._exit here, against an abort at exit ("terminate called without an active
-    exception"); tools/repro_teardown.py runs this lesson without it and found none (see the
-    README)."""
+    each, and Ctrl-C quietly; the rank leaves the process group however it ends, and a rank
+    that finished leaves its process through leave_process."""
     try:
         yield
     except KeyboardInterrupt:
@@ -562,14 +558,34 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
         # Also when training fails, so this rank does not leave its peers hanging.
         if dist.is_initialized():
             dist.destroy_process_group()
+    leave_process()  # reached only when the rank's work ended well
+
+
+def leave_process():
+    """The teardown workaround: a rank whose work is done and written leaves at once.
+
+    With torch 2.14, gloo's threads can outlive destroy_process_group, and Python tearing down
+    the interpreter under them sometimes aborts a rank that has finished ("terminate called
+    without an active exception"), failing a job whose results are on disk. Seen in lesson 07
+    (ZeRO-1), about 1 run in 25; `python tools/repro_teardown.py --lesson 07_sharding` counts
+    it with and without this function. Upstream: pytorch/pytorch#190489 and the abandoned
+    pytorch/pytorch#179291 (gloo work that outlives the interpreter)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def is_lost_contact(error):
-    """Whether error says that the other ranks did not come, went away or stalled. In backward,
-    autograd hands on gloo's error as a plain RuntimeError, hence the look at its text."""
-    signs = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting",
-             "Broken pipe")
-    return isinstance(error, dist.DistError) or any(sign in str(error) for sign in signs)
+    """Whether error says that the other ranks did not come, went away or stalled: the store's
+    and the network's errors, or a backend's (gloo, NCCL) whose text says so. Any other backend
+    error, such as NCCL's "Duplicate GPU detected", is this rank's own and keeps its traceback.
+    In backward, autograd hands on gloo's error as a plain RuntimeError, hence the look at the
+    text."""
+    if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)):
+        return True
+    signs = ("connection reset by peer", "connection closed by peer", "connection refused",
+             "timed out", "timeout", "broken pipe", "remote process exited", "network error")
+    return isinstance(error, RuntimeError) and any(sign in str(error).lower() for sign in signs)
 
 
 @contextlib.contextmanager

@@ -356,6 +356,12 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # As the lessons' leave_process: gloo's threads can abort a finished rank while Python tears
+    # down the interpreter (torch 2.14; tools/repro_teardown.py, pytorch/pytorch#190489), so
+    # flush and leave at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_world_size(world_size, backend, cases, total, args):

@@ -247,3 +247,25 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(lesson_run):
 def test_timeout_must_be_positive(tmp_path):
     assert_one_line_error(run_lesson(LESSON, "--timeout", 0, "--out-dir", tmp_path),
                           "--timeout must be positive")
+
+
+@pytest.mark.parametrize("lesson", ["02_multi_gpu_spawn", "03_multi_node", "07_sharding"])
+def test_only_errors_about_the_other_ranks_are_called_lost_contact(lesson):
+    # rank_guard turns these into "not all ranks met" / "lost contact" lines. Any other backend
+    # error is the rank's own, and a line that blamed the peers or --timeout would send the
+    # learner the wrong way: NCCL's duplicate-GPU refusal is one (two ranks on one GPU).
+    is_lost_contact = import_lesson(lesson).is_lost_contact
+    peers_gone = [
+        dist.DistStoreError("wait timeout after 120000ms"),
+        dist.DistNetworkError("failed to connect"),
+        RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:4"),
+        dist.DistBackendError("NCCL error: remote process exited or there was a network error"),
+        RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 3000ms"),
+    ]
+    own_fault = [
+        dist.DistBackendError("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0"),
+        dist.DistBackendError("Tensor found on device cuda:1 but backend constrained to cuda:0"),
+        ValueError("connection reset by peer"),  # not from torch.distributed's collectives
+    ]
+    assert [is_lost_contact(error) for error in peers_gone] == [True] * len(peers_gone)
+    assert [is_lost_contact(error) for error in own_fault] == [False] * len(own_fault)

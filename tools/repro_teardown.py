@@ -1,18 +1,19 @@
-"""Measure whether a DDP rank needs os._exit after destroy_process_group to end cleanly.
+"""Count the DDP runs whose ranks abort at exit, with and without the lessons' leave_process.
 
-    python tools/repro_teardown.py              # 20 runs each way, at most 120 s per run
+    python tools/repro_teardown.py --lesson 07_sharding     # 20 runs each way, at most 120 s each
     python tools/repro_teardown.py --runs 5 --lesson 04_checkpointing --modes plain
 
-Lessons 02-05 used to end every rank with os._exit(0) after destroy_process_group, on the claim
-that with torch 2.14 gloo's threads, which outlive destroy_process_group, abort a finished rank
-about 1 run in 20 while Python tears down the interpreter ("terminate called without an active
-exception"), failing a job whose results are written. Each run here is the lesson itself,
-`python <lesson>/train.py --backend gloo --epochs 2`, in a fresh folder: "plain" runs it as it is
-(ranks end as any Python program does), "os._exit" with each rank leaving through os._exit(0)
-after its work, as before. A run that exits non-zero, or does not end within --timeout seconds,
-counts as failed. The script prints a line per run and the counts per mode, and exits 0: it
-reports, it does not judge. Every wait is bounded: a run still going at --timeout is killed with
-its whole process group.
+Every DDP lesson ends a rank that finished with leave_process(): destroy_process_group, then
+os._exit(0). Without it, with torch 2.14, a finished rank sometimes aborts while Python tears down
+the interpreter ("terminate called without an active exception"), failing a job whose results
+are written (pytorch/pytorch#190489; pytorch/pytorch#179291 explains gloo work that outlives the
+interpreter). Each run here is the lesson itself, `python <lesson>/train.py --backend gloo
+--epochs 2` (and --strategy zero1 for lesson 07, where the abort was seen), in a fresh folder:
+"plain" replaces leave_process with nothing, so ranks end as any Python program does;
+"os._exit" runs the lesson as it is. A run that exits non-zero, or does not end within --timeout
+seconds, counts as failed. The script prints a line per run and the counts per mode, and exits
+0: it reports, it does not judge. Every wait is bounded: a run still going at --timeout is killed
+with its whole process group.
 """
 
 import argparse
@@ -35,19 +36,14 @@ if __name__ in ("__main__", "__mp_main__") and sys.argv[1:2] == ["--run"]:
     lesson = importlib.util.module_from_spec(spec)
     sys.modules["lesson"] = lesson  # so that the ranks can unpickle lesson.worker
     spec.loader.exec_module(lesson)
-    if MODE == "os._exit":
-        lesson_worker = lesson.worker
-
-        def worker_then_exit(*worker_args):
-            lesson_worker(*worker_args)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)  # skip the interpreter's teardown, and gloo's with it
-
-        lesson.worker = worker_then_exit  # launch looks the name up when it spawns
+    if MODE == "plain":
+        lesson.leave_process = lambda: None  # rank_guard looks the name up when a rank ends
     if __name__ == "__main__":
         lesson.start(lesson.launch, lambda: lesson.parse_args(LESSON_ARGS), torchrun_ok=False)
         sys.exit(0)
+
+
+LESSON_FLAGS = {"07_sharding": ["--strategy", "zero1"]}
 
 
 def run_many(mode, lesson, runs, timeout):
@@ -57,7 +53,7 @@ def run_many(mode, lesson, runs, timeout):
             start = time.monotonic()
             process = subprocess.Popen(
                 [sys.executable, __file__, "--run", mode, lesson, "--backend", "gloo",
-                 "--epochs", "2", "--out-dir", out_dir],
+                 "--epochs", "2", "--out-dir", out_dir, *LESSON_FLAGS.get(lesson, [])],
                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 start_new_session=True)
             try:
@@ -87,8 +83,7 @@ def main():
     parser.add_argument("--runs", type=int, default=20, help="runs per mode")
     parser.add_argument("--timeout", type=float, default=120, help="seconds one run may take")
     parser.add_argument("--lesson", default="02_multi_gpu_spawn",
-                        help="02_multi_gpu_spawn, 03_multi_node, 04_checkpointing or "
-                             "05_model_parallel_ddp")
+                        help="a DDP lesson's folder: 02_multi_gpu_spawn to 07_sharding")
     parser.add_argument("--modes", default="plain,os._exit", help="which modes, in order")
     args = parser.parse_args()
     import torch
