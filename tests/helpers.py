@@ -142,15 +142,16 @@ def run_nodes(commands, timeout=240):
     return results
 
 
-def run_torchrun(lesson, *args, nproc=2, env=None, timeout=240, patch=None):
-    """`torchrun --standalone --nproc-per-node N <lesson>/train.py args...`, as a learner types it
-    (python -m torch.distributed.run is the same program), with torchrun's own MASTER_* only."""
+def run_torchrun(lesson, *args, nproc=2, torchrun_args=(), env=None, timeout=240, patch=None):
+    """`torchrun --standalone --nproc-per-node N [torchrun_args] <lesson>/train.py args...`, as a
+    learner types it (python -m torch.distributed.run is the same program), with torchrun's own
+    MASTER_* only."""
     script = [str(ROOT / lesson / "train.py")]
     if patch:
         script = [str(ROOT / "tests" / "patched_lesson.py"), script[0], patch]
     clean = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(nproc), *script, *map(str, args)]
+               str(nproc), *map(str, torchrun_args), *script, *map(str, args)]
     return subprocess.run(command, cwd=ROOT, env={**clean, "PYTHONUNBUFFERED": "1", **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 

@@ -24,6 +24,7 @@ from helpers import (
     max_weight_difference,
     run_lesson,
     run_nodes,
+    run_torchrun,
 )
 
 LESSON = "03_multi_node"
@@ -285,10 +286,8 @@ def test_nodes_started_with_different_flags_stop_with_the_reason(tmp_path):
 
 
 def test_manual_flags_under_torchrun_are_refused(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-         SCRIPT, *CPU, "--nnodes", "2", "--out-dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_torchrun(LESSON, *CPU, "--nnodes", 2, "--out-dir", tmp_path, nproc=1,
+                          timeout=120)
     assert result.returncode != 0
     assert "give --nnodes, --node-rank, --nproc-per-node, --master-addr and --master-port to " \
            "torchrun" in result.stderr

@@ -5,7 +5,6 @@ epoch's loss: a resumed run must be the run that never crashed, not merely close
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -123,13 +122,8 @@ def test_the_crash_happens_once_even_with_the_flag_still_given(crashed, uninterr
 
 
 def test_torchrun_restarts_the_job_and_it_resumes(uninterrupted, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--max-restarts", "1", str(ROOT / LESSON / "train.py"), *CPU, *SHORT, *CRASH,
-         "--out-dir", str(tmp_path)],
-        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-        timeout=240)
+    result = run_torchrun(LESSON, *CPU, *SHORT, *CRASH, "--out-dir", tmp_path,
+                          torchrun_args=["--max-restarts", 1])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "simulated crash of rank 1 at the start of epoch 3" in result.stderr
     assert "2 of 6 epochs done, continuing at epoch 3" in result.stdout

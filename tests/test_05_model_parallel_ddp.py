@@ -2,16 +2,12 @@
 
 Here both stages sit on the CPU (gloo); the real split across GPUs is in test_gpu.py."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from helpers import (
     GPUS,
-    ROOT,
     assert_good_run,
     assert_one_line_error,
     error_lines,
@@ -110,12 +106,7 @@ def test_device_plan_refuses_too_many_ranks(gpus, world_size, fragments):
 
 def test_torchrun_starts_the_ranks_instead_of_spawn(tmp_path):
     # torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; the lesson must run as that rank.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / LESSON / "train.py"), *CPU, "--epochs", "3", "--out-dir", str(tmp_path)],
-        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-        timeout=240)
+    result = run_torchrun(LESSON, *CPU, "--epochs", 3, "--out-dir", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     metrics = read_metrics(tmp_path)
     assert (metrics["world_size"], metrics["test_total"]) == (2, 36)

@@ -5,8 +5,6 @@ for this machine's GPU count (the preflight's GPU run is
 test_00_preflight.py::test_gpu_commands). Then the NCCL paths with flags: one GPU, and with two
 or more GPUs, world size 2 as well."""
 
-import os
-import subprocess
 import sys
 
 import pytest
@@ -23,6 +21,7 @@ from helpers import (
     read_metrics,
     run_lesson,
     run_nodes,
+    run_torchrun,
 )
 
 pytestmark = [
@@ -156,13 +155,8 @@ def test_lesson05_four_gpus_make_two_ranks_of_two(lesson_run):
 def test_lesson05_under_torchrun_plans_the_gpus_of_its_node(tmp_path):
     # torchrun starts the ranks; each finds its pair by its local rank.
     nproc = min(GPUS // 2, 2)
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         str(nproc), str(ROOT / "05_model_parallel_ddp" / "train.py"), "--epochs", "5",
-         "--out-dir", str(tmp_path)],
-        cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-        timeout=240)
+    result = run_torchrun("05_model_parallel_ddp", "--epochs", 5, "--out-dir", tmp_path,
+                          nproc=nproc)
     assert result.returncode == 0, result.stdout + result.stderr
     metrics = read_metrics(tmp_path)
     assert (metrics["world_size"], metrics["backend"]) == (nproc, "nccl")
