@@ -8,6 +8,9 @@ images (which can). Beside them: the plain model without DDP (DDP's own cost at 
 on the CPU one process using every core (the honest answer on a laptop) and every rank with the
 same few threads (how DDP scales when each rank brings its own cores), on GPUs nn.DataParallel on
 the same 2..N GPUs, the DDP knobs that matter, and the all-reduce bandwidth of the backend.
+Next to DDP, lesson 07's sharded strategies at every world size: ZeRO-1 (DDP with
+ZeroRedundancyOptimizer) and FSDP2 (fully_shard), with the bytes of parameters, gradients and
+optimizer state each rank holds, and on GPUs each rank's peak memory.
 On GPUs ResNet-18 runs as it is trained there: 224x224 images, batch 256 per GPU, bf16 autocast,
 channels_last. Nothing is downloaded.
 
@@ -40,6 +43,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 MODELS = ("wine-mlp", "resnet18")
@@ -48,7 +55,10 @@ KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "fp16_hook"
 ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "backend", "device",
               "threads_per_rank", "batch_per_rank", "global_batch", "image_size", "precision",
               "channels_last", "accumulate", "steps", "warmup", "seconds", "samples_per_s",
-              "speedup", "efficiency", "vs_default", "ddp_cost_pct")
+              "speedup", "efficiency", "vs_default", "ddp_cost_pct", "parameter_bytes",
+              "gradient_bytes", "optimizer_bytes", "peak_bytes")
+# Lesson 07's strategies, measured next to DDP at every world size.
+SHARDED = ("zero1", "fsdp")
 BANDWIDTH_FIELDS = ("backend", "device", "world_size", "size_bytes", "iters", "seconds_per_op",
                     "algbw_GBps", "busbw_GBps")
 
@@ -215,6 +225,8 @@ def wrap_model(model, case, device):
         return nn.DataParallel(model, device_ids=list(range(case["world_size"])))
     if case["case"] in ("plain", "single-process-all-cores"):
         return model
+    if case["case"] == "fsdp":
+        return shard_fully(model, case, device)
     knob, value = case["knob"], case["knob_value"]
     options = {}
     if knob == "bucket_cap_mb":
@@ -234,18 +246,73 @@ def wrap_model(model, case, device):
     return ddp_model
 
 
+def shard_fully(model, case, device):
+    """FSDP2 as lesson 07 applies it: fully_shard on each unit, then on the root.
+
+    The units are the wine MLP's two layers and ResNet-18's eight residual blocks (the root
+    takes the stem convolution, its batch norm and the classifier). The mesh is given
+    explicitly on the rank's device type, as in lesson 07: fully_shard's default mesh would move
+    a CPU (gloo) model to a GPU whenever one exists."""
+    mesh = init_device_mesh(device.type, (case["world_size"],))
+    if case["model"] == "wine-mlp":
+        units = [model.fc1, model.fc2]
+    else:
+        units = [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4)
+                 for block in layer]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def build_optimizer(model, case):
+    """SGD with momentum: one state tensor (the momentum buffer) per parameter. For zero1 each
+    rank keeps it for its share of the parameters only (ZeroRedundancyOptimizer, ZeRO stage 1);
+    under FSDP the plain optimizer already sees only this rank's shards."""
+    if case["case"] == "zero1":
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
+                                       lr=0.01, momentum=0.9)
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def local_bytes(tensors):
+    """Bytes of the tensors as this rank holds them: of a sharded tensor (a DTensor), only the
+    shard that lives here, as lesson 07 counts them."""
+    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_held(model, optimizer, device, case):
+    """[parameters, gradients, optimizer state, peak] in bytes, the largest over the ranks (the
+    rank that needs the most memory decides what fits). Peak is torch.cuda.max_memory_allocated
+    since the case began, on GPUs only: on the CPU the process's peak resident memory covers
+    every earlier case of the same process, so it is left out (-1 here, null in the rows)."""
+    params = list(model.parameters())
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
+    row = torch.tensor([local_bytes(params), local_bytes(p.grad for p in params),
+                        local_bytes(state), peak], dtype=torch.int64, device=device)
+    dist.all_reduce(row, op=dist.ReduceOp.MAX)
+    held = row.tolist()
+    if case["case"] == "dataparallel":
+        # DataParallel's replicas on the other GPUs exist only during forward and backward, and
+        # its gradients are summed on GPU 0: GPU 0's figures would not describe the others.
+        return [None] * 4
+    return held[:3] + [held[3] if held[3] >= 0 else None]
+
+
 # ---------------------------------------------------------------------------------------------
 # The measured cases
 # ---------------------------------------------------------------------------------------------
-def time_training(model, batch, steps, warmup, accumulate, case, device, devices):
+def time_training(model, optimizer, batch, steps, warmup, accumulate, case, device, devices):
     """Seconds for `steps` forward+backward passes after `warmup` untimed ones.
 
-    Every case, plain model, DDP and DataParallel alike, runs this same loop with the same
-    synchronisation points, so a difference between them is the wrapper's, not the loop's.
+    Every case, plain model, DDP, ZeRO-1, FSDP and DataParallel alike, runs this same loop with
+    the same synchronisation points, so a difference between them is the wrapper's, not the
+    loop's.
     With accumulate > 1, gradients of `accumulate` micro-batches add up before one optimizer
     step, and DDP's no_sync skips the all-reduce on all but the last of them."""
     features, labels = batch
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -274,14 +341,20 @@ def run_training_case(case, device):
     devices = case["world_size"] if case["case"] == "dataparallel" else 1
     features, labels = make_batch(case["model"], case["batch_per_rank"] * devices,
                                   case["image_size"], device, seed=dist.get_rank())
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this case's peak, not an earlier one's
     model, features = prepare(build_model(case["model"]), features, case, device)
     model = wrap_model(model, case, device)
-    seconds = time_training(model, (features, labels), case["steps"], case["warmup"],
+    optimizer = build_optimizer(model, case)
+    seconds = time_training(model, optimizer, (features, labels), case["steps"], case["warmup"],
                             case["accumulate"], case, device, devices)
     seconds = slowest(seconds, device)
+    held = memory_held(model, optimizer, device, case)
     samples = case["global_batch"] * (case["steps"] // case["accumulate"]) * case["accumulate"]
     row = {field: case.get(field) for field in ROW_FIELDS}
-    row.update(seconds=seconds, samples_per_s=samples / seconds)
+    row.update(seconds=seconds, samples_per_s=samples / seconds,
+               **dict(zip(("parameter_bytes", "gradient_bytes", "optimizer_bytes", "peak_bytes"),
+                          held, strict=True)))
     return row
 
 
@@ -431,13 +504,19 @@ def plan_cases(args, device_type, cores):
             # cost per step, in fp32 everywhere.
             "image_size": args.image_size if images else None,
             "precision": args.precision if images else "fp32",
-            "channels_last": args.channels_last and images,
+            # FSDP2 cannot shard channels_last parameters: fully_shard raises "FSDP does not
+            # support non-contiguous parameters yet" (torch 2.14; tools/repro_fsdp_channels_last.py,
+            # pytorch/pytorch#137382), so its rows keep the default layout, and say so.
+            "channels_last": args.channels_last and images and case != "fsdp",
         })
 
     for model in args.models:
         training(model, "plain", 1)
         for world_size in world_sizes:
             training(model, "ddp", world_size)
+            # Lesson 07's sharded strategies, on the same ranks, threads and batch as DDP.
+            for strategy in args.sharded:
+                training(model, strategy, world_size)
         if device_type == "cpu":
             # One process with every core and the largest DDP run's global batch: the same work
             # per step, without DDP. On a laptop this is the number to beat.
@@ -464,6 +543,9 @@ def plan_cases(args, device_type, cores):
                        "only repeat the plain model; it needs 2 or more GPUs")
 
     knob_model = "resnet18" if "resnet18" in args.models else args.models[0]
+    if args.sharded and top == 1:
+        skipped.append(f"nothing to shard over ({', '.join(args.sharded)} run, but with 1 rank "
+                       "they hold what DDP holds); use --max-world-size 2 or more to see 1/N")
     if args.knobs and top == 1:
         skipped.append(f"DDP knobs ({', '.join(args.knobs)}): they change how ranks exchange "
                        "gradients, and one rank exchanges nothing; they need 2 or more ranks")
@@ -510,19 +592,20 @@ def find_row(rows, model, case, world_size):
 def add_speedups(rows):
     """Speed-up and efficiency against one rank, vs_default, and DDP's own cost at 1 rank."""
     for row in rows:
-        # ddp-per-worker is compared with its own 1 rank of as many threads; every other case
+        # ddp-per-worker, zero1 and fsdp are compared with their own 1 rank; every other case
         # with DDP at 1 rank (on CPU, with every core).
-        base = find_row(rows, row["model"],
-                        "ddp-per-worker" if row["case"] == "ddp-per-worker" else "ddp", 1)
+        own = row["case"] in ("ddp-per-worker", *SHARDED)
+        base = find_row(rows, row["model"], row["case"] if own else "ddp", 1)
         default = find_row(rows, row["model"], "ddp", row["world_size"])
         plain = find_row(rows, row["model"], "plain", 1)
         if base:
             row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
             # Ideal: N ranks (or GPUs) do N times the work of one, efficiency 1.0. A single
             # process has no N to divide by.
-            if row["case"] in ("ddp", "dataparallel", "ddp-per-worker"):
+            if row["case"] in ("ddp", "dataparallel", "ddp-per-worker", *SHARDED):
                 row["efficiency"] = row["speedup"] / row["world_size"]
-        if default and row["knob"] is not None:
+        # A knob, or a sharded strategy, against DDP with default settings on as many ranks.
+        if default and (row["knob"] is not None or row["case"] in SHARDED):
             row["vs_default"] = row["samples_per_s"] / default["samples_per_s"]
         if plain and row is find_row(rows, row["model"], "ddp", 1):
             # What wrapping the model in DDP costs when there is nobody to talk to: the same
@@ -553,8 +636,9 @@ def number(value, spec):
 
 def print_tables(rows, bandwidth_rows):
     print("\nTraining throughput (speed-up and efficiency = speed-up / world size, against 1 rank "
-          "of DDP, or of ddp-per-worker for its rows; vs default = against DDP with default "
-          "settings at the same world size; DDP cost = 1 - DDP/plain at world size 1)")
+          "of DDP, or for ddp-per-worker, zero1 and fsdp of the same case; vs default = against "
+          "DDP with default settings at the same world size; DDP cost = 1 - DDP/plain at world "
+          "size 1)")
     header = (f"{'model':9} {'case':30} {'ws':>3} {'thr':>4} {'batch':>6} {'samples/s':>10} "
               f"{'speed-up':>9} {'effic.':>7} {'vs default':>10} {'DDP cost':>8}")
     print(header)
@@ -594,6 +678,7 @@ def print_tables(rows, bandwidth_rows):
                    key=lambda r: r["samples_per_s"])
         print(f"{model}: fastest is {best['case']} with world size {best['world_size']}, "
               f"{best['samples_per_s']:.1f} samples/s")
+    print_memory(rows)
     if bandwidth_rows:
         print("\nAll-reduce bandwidth (algbw = bytes / time; busbw = algbw * 2(n-1)/n, as "
               "nccl-tests defines it; N/A with 1 rank)")
@@ -606,6 +691,43 @@ def print_tables(rows, bandwidth_rows):
                   f"{format_bytes(row['size_bytes']):>10} "
                   f"{row['seconds_per_op'] * 1e3:8.3f} ms {row['algbw_GBps']:11.3f} "
                   f"{number(row['busbw_GBps'], '11.3f'):>11}")
+
+
+def print_memory(rows):
+    """What each rank holds under DDP, ZeRO-1 and FSDP, and what sharding costs in samples/s."""
+    cases, models = ("ddp", *SHARDED), list(dict.fromkeys(r["model"] for r in rows))
+    mine = sorted((r for r in rows if r["case"] in cases and r["knob"] is None),
+                  key=lambda r: (models.index(r["model"]), r["world_size"], cases.index(r["case"])))
+    if not any(r["case"] in SHARDED for r in mine):
+        return
+    print("\nMemory per rank, MiB (the most loaded rank, after the last step; optimizer: SGD's "
+          "momentum, one tensor per parameter; peak: torch.cuda.max_memory_allocated, N/A on "
+          "the CPU)")
+    header = (f"{'model':9} {'case':6} {'ws':>3} {'parameters':>11} {'gradients':>10} "
+              f"{'optimizer':>10} {'total':>9} {'vs ddp':>7} {'peak':>9} {'samples/s':>10}")
+    print(header)
+    print("-" * len(header))
+    mib = 2**20
+    for row in mine:
+        held = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
+        ddp = find_row(rows, row["model"], "ddp", row["world_size"])
+        ddp_held = ddp["parameter_bytes"] + ddp["gradient_bytes"] + ddp["optimizer_bytes"]
+        peak = "N/A" if row["peak_bytes"] is None else f"{row['peak_bytes'] / mib:.1f}"
+        print(f"{row['model']:9} {row['case']:6} {row['world_size']:3d} "
+              f"{row['parameter_bytes'] / mib:11.3f} {row['gradient_bytes'] / mib:10.3f} "
+              f"{row['optimizer_bytes'] / mib:10.3f} {held / mib:9.3f} {held / ddp_held:7.0%} "
+              f"{peak:>9} {row['samples_per_s']:10.1f}")
+    top = max(r["world_size"] for r in mine)
+    for model in dict.fromkeys(r["model"] for r in mine):
+        ddp = find_row(rows, model, "ddp", top)
+        for case in SHARDED:
+            row = find_row(rows, model, case, top)
+            if row and ddp:
+                held = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
+                ddp_held = ddp["parameter_bytes"] + ddp["gradient_bytes"] + ddp["optimizer_bytes"]
+                print(f"{model}: {case} on {top} ranks holds {held / ddp_held:.0%} of DDP's "
+                      f"parameters, gradients and optimizer state per rank, at "
+                      f"{row['vs_default']:.2f} x DDP's samples/s")
 
 
 def plot(rows, bandwidth_rows, path):
@@ -635,6 +757,11 @@ def plot(rows, bandwidth_rows, path):
                     label=f"DDP, {threads} thread(s) per rank (per worker)")
             ax.plot(sizes, [per_worker[0]["samples_per_s"] * w for w in sizes], ":",
                     color="tab:purple", alpha=0.5, label="its ideal linear scaling")
+        for case, marker in zip(SHARDED, ("v-", "D-"), strict=True):
+            sharded = sorted((r for r in mine if r["case"] == case), key=lambda r: r["world_size"])
+            if sharded:
+                ax.plot([r["world_size"] for r in sharded], [r["samples_per_s"] for r in sharded],
+                        marker, label={"zero1": "ZeRO-1", "fsdp": "FSDP"}[case])
         dataparallel = sorted((r for r in mine if r["case"] == "dataparallel"),
                               key=lambda r: r["world_size"])
         if dataparallel:
@@ -704,6 +831,9 @@ def main(args):
               f"{', cudnn.benchmark' if device_type == 'cuda' else ''}", flush=True)
         if args.precision_note:
             print(args.precision_note, flush=True)
+        if args.channels_last and "fsdp" in args.sharded:
+            print("resnet18 fsdp: contiguous (NCHW), as FSDP2 cannot shard channels_last "
+                  "parameters", flush=True)
     if "wine-mlp" in args.models:
         print(f"wine-mlp: random 13-feature rows, batch {args.batch_size} per rank, "
               f"{args.mlp_steps} timed steps after {args.warmup} warm-up steps", flush=True)
@@ -752,7 +882,7 @@ def parse_list(text, allowed, flag):
     unknown = [item for item in items if item not in allowed]
     if unknown or not items:
         fail(f"{flag}: unknown {', '.join(unknown) or 'empty list'}; choose from "
-             f"{','.join(allowed)}" + (" or none" if flag == "--knobs" else ""))
+             f"{','.join(allowed)}" + (" or none" if flag != "--models" else ""))
     return items
 
 
@@ -832,6 +962,9 @@ def parse_args(argv=None):
     parser.add_argument("--knobs", default=",".join(KNOBS),
                         help="DDP settings to measure at the largest world size, comma-separated, "
                              "or none")
+    parser.add_argument("--sharded", default=",".join(SHARDED),
+                        help="lesson 07's strategies to measure next to DDP at every world size, "
+                             "comma-separated, or none")
     parser.add_argument("--accumulate", type=int, default=4,
                         help="micro-batches per optimizer step for the no_sync knob")
     parser.add_argument("--allreduce-sizes", default=None,
@@ -865,6 +998,7 @@ def parse_args(argv=None):
             setattr(args, name, value)
     args.models = parse_list(args.models, MODELS, "--models")
     args.knobs = parse_list(args.knobs, KNOBS, "--knobs")
+    args.sharded = parse_list(args.sharded, SHARDED, "--sharded")
     args.allreduce_sizes = [parse_size(s.strip()) for s in args.allreduce_sizes.split(",")
                             if s.strip()]
 

@@ -29,6 +29,7 @@ ROW_TYPES = {"model": str, "case": str, "world_size": int, "backend": str, "devi
              "precision": str, "channels_last": bool, "accumulate": int, "steps": int,
              "warmup": int, "seconds": float, "samples_per_s": float}
 OPTIONAL_FLOATS = ("speedup", "efficiency", "vs_default", "ddp_cost_pct")
+MEMORY = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -81,6 +82,9 @@ def test_rows_have_the_schema(cpu_run):
             assert isinstance(row[field], kind), (field, row)
         for field in OPTIONAL_FLOATS:
             assert row[field] is None or isinstance(row[field], float), (field, row)
+        for field in MEMORY:
+            assert isinstance(row[field], int) and row[field] > 0, (field, row)
+        assert row["peak_bytes"] is None, row  # measured on GPUs only
         assert row["samples_per_s"] > 0, row
         assert (row["backend"], row["device"]) == ("gloo", "cpu")
         # The CPU keeps fp32 and the default memory format unless told otherwise.
@@ -88,12 +92,13 @@ def test_rows_have_the_schema(cpu_run):
         assert row["image_size"] == (32 if row["model"] == "resnet18" else None), row
     assert {row["model"] for row in rows} == {"wine-mlp", "resnet18"}
     for model in ("wine-mlp", "resnet18"):
-        for case in ("ddp", "ddp-per-worker"):
+        for case in ("ddp", "ddp-per-worker", "zero1", "fsdp"):
             sizes = {r["world_size"] for r in rows if r["model"] == model and r["case"] == case
                      and r["knob"] is None}
             assert sizes == {1, 2}, (model, case)
         cases = {r["case"] for r in rows if r["model"] == model}
-        assert cases == {"plain", "ddp", "single-process-all-cores", "ddp-per-worker"}, cases
+        assert cases == {"plain", "ddp", "zero1", "fsdp", "single-process-all-cores",
+                         "ddp-per-worker"}, cases
         base = next(r for r in rows if r["model"] == model and r["case"] == "ddp"
                     and r["world_size"] == 1)
         assert base["speedup"] == pytest.approx(1.0) and base["efficiency"] == pytest.approx(1.0)
@@ -103,7 +108,7 @@ def test_threads_are_split_between_ranks(cpu_run):
     _, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "results")
     for row in rows:
-        if row["case"] == "ddp":
+        if row["case"] in ("ddp", "zero1", "fsdp"):
             assert row["threads_per_rank"] == max(1, CORES // row["world_size"]), row
             assert row["global_batch"] == row["batch_per_rank"] * row["world_size"], row
         if row["case"] == "single-process-all-cores":
@@ -130,7 +135,7 @@ def test_derived_figures_are_their_formulas(cpu_run):
         printed = re.search(rf"{model}: DDP at world size 1 .* own cost is (-?[\d.]+)%",
                             result.stdout)
         assert printed and float(printed[1]) == pytest.approx(cost, abs=0.051), result.stdout
-        for case in ("ddp", "ddp-per-worker"):
+        for case in ("ddp", "ddp-per-worker", "zero1", "fsdp"):
             one, two = find(model, case, 1), find(model, case, 2)
             # Efficiency = samples/s of N ranks / (N x samples/s of 1 rank of the same case).
             assert two["efficiency"] == pytest.approx(
@@ -138,6 +143,12 @@ def test_derived_figures_are_their_formulas(cpu_run):
             assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
         per_worker = find(model, "ddp-per-worker", 2)
         assert f"DDP's efficiency {per_worker['efficiency']:.0%}" in result.stdout
+        # A sharded strategy against DDP on as many ranks: what sharding costs in samples/s.
+        for case in ("zero1", "fsdp"):
+            for world_size in (1, 2):
+                row = find(model, case, world_size)
+                assert row["vs_default"] == pytest.approx(
+                    row["samples_per_s"] / find(model, "ddp", world_size)["samples_per_s"]), row
     only = [(r["model"], r["case"], r["world_size"]) for r in rows
             if r["ddp_cost_pct"] is not None]
     assert only == [("wine-mlp", "ddp", 1), ("resnet18", "ddp", 1)], only
@@ -154,6 +165,54 @@ def test_every_knob_is_measured_on_resnet18_at_the_largest_world_size(cpu_run):
         assert (row["model"], row["world_size"]) == ("resnet18", 2), row
         assert row["vs_default"] > 0
         assert row["accumulate"] == (4 if row["knob"] == "no_sync" else 1)
+
+
+def expected_bytes(model_name, strategy, world_size):
+    """Bytes of parameters (and so of gradients, and of SGD's momentum) on the most loaded rank,
+    from the model's own tensors: DDP holds every tensor whole; FSDP cuts each along dim 0 into
+    chunks of ceil(rows / N) rows, and rank 0's chunk is always a full one."""
+    model = import_script().build_model(model_name)
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0] if strategy == "fsdp" else world_size * p.shape[0]
+        total += -(-rows // world_size) * p[0].numel() * p.element_size()
+    return total
+
+
+def test_memory_per_rank_is_each_strategys_share(cpu_run):
+    """DDP holds everything; ZeRO-1 holds 1/N of the optimizer state (up to one whole tensor,
+    as it deals whole tensors); FSDP holds 1/N of all three (up to one row per tensor). With one
+    rank all three hold what DDP holds. A strategy that shards nothing fails here."""
+    result, out_dir = cpu_run
+    rows, _ = read_rows(out_dir, "results")
+    for model in ("wine-mlp", "resnet18"):
+        def held(case, world_size, rows=rows, model=model):
+            row = next(r for r in rows if (r["model"], r["case"], r["world_size"]) ==
+                       (model, case, world_size) and r["knob"] is None)
+            return [row[field] for field in MEMORY]
+
+        whole = expected_bytes(model, "ddp", 2)
+        assert held("ddp", 1) == held("ddp", 2) == [whole] * 3
+        assert held("zero1", 1) == held("fsdp", 1) == [whole] * 3
+        assert held("fsdp", 2) == [expected_bytes(model, "fsdp", 2)] * 3
+        assert held("fsdp", 2)[0] < 0.55 * whole
+        params, grads, optimizer = held("zero1", 2)
+        largest = max(p.numel() * 4 for p in import_script().build_model(model).parameters())
+        assert (params, grads) == (whole, whole)
+        assert whole / 2 <= optimizer <= whole / 2 + largest
+        assert optimizer < whole
+    assert "fsdp on 2 ranks holds 50% of DDP's" in result.stdout, result.stdout
+
+
+def test_fsdp_refuses_channels_last_which_its_rows_avoid():
+    """The PyTorch behaviour the fsdp rows work around (tools/repro_fsdp_channels_last.py): on
+    this torch, fully_shard refuses channels_last weights. The day it stops refusing, this
+    fails, and the fsdp rows can run channels_last like the others."""
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_fsdp_channels_last.py")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "channels_last Conv2d weight: refused" in result.stdout, result.stdout
+    assert "non-contiguous" in result.stdout, result.stdout
 
 
 def test_csv_has_the_same_rows_as_the_json(cpu_run):
@@ -177,11 +236,13 @@ def test_allreduce_bandwidth_follows_the_nccl_tests_definition(cpu_run):
 
 def test_progress_and_table_are_printed(cpu_run):
     result, _ = cpu_run
-    assert "[1/21] wine-mlp plain ws=1" in result.stdout, result.stdout
-    assert "[21/21] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
+    assert "[1/29] wine-mlp plain ws=1" in result.stdout, result.stdout
+    assert "[3/29] wine-mlp zero1 ws=1" in result.stdout, result.stdout
+    assert "[29/29] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
     assert "GPU cases (NCCL DDP, DataParallel, NCCL vs gloo on GPU tensors) skipped" in \
         result.stdout
-    assert "Training throughput" in result.stdout and "All-reduce bandwidth" in result.stdout
+    for title in ("Training throughput", "Memory per rank, MiB", "All-reduce bandwidth"):
+        assert title in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("args, fragment", [
@@ -259,10 +320,11 @@ def test_one_gpu_measures_no_dataparallel_no_bandwidth_and_no_knobs(pretend_gpus
     cases = [case for cases in plan.values() for case in cases]
     assert backend == "nccl" and list(plan) == [1]
     assert {(c["model"], c["case"]) for c in cases} == {
-        (model, case) for model in ("wine-mlp", "resnet18") for case in ("plain", "ddp")}
+        (model, case) for model in ("wine-mlp", "resnet18")
+        for case in ("plain", "ddp", "zero1", "fsdp")}
     assert all(c["knob"] is None for c in cases)
     reasons = " | ".join(skipped)
-    for fragment in ("nn.DataParallel", "all-reduce bandwidth", "DDP knobs"):
+    for fragment in ("nn.DataParallel", "all-reduce bandwidth", "DDP knobs", "nothing to shard"):
         assert fragment in reasons, reasons
 
 
@@ -277,10 +339,13 @@ def test_two_gpus_plan_dataparallel_bandwidth_and_knobs_at_two(pretend_gpus):
         {("nccl", 2), ("gloo", 2)}
     assert {c["world_size"] for c in cases if c.get("knob") is not None} == {2}
     assert not [c for c in cases if c["case"] == "ddp-per-worker"]
+    assert {(c["case"], c["world_size"]) for c in cases if c["case"] in ("zero1", "fsdp")} == \
+        {(case, n) for case in ("zero1", "fsdp") for n in (1, 2)}
     for case in (c for c in cases if c["case"] != "allreduce"):
         images = case["model"] == "resnet18"
+        # FSDP2 cannot shard channels_last weights: its rows keep the default layout.
         assert (case["batch_per_rank"], case["precision"], case["channels_last"]) == \
-            (256, "bf16" if images else "fp32", images), case
+            (256, "bf16" if images else "fp32", images and case["case"] != "fsdp"), case
         assert case["image_size"] == (224 if images else None), case
 
 
@@ -352,6 +417,13 @@ def test_gpu_run_has_nccl_dataparallel_and_gloo_on_gpu_tensors(tmp_path):
         {("bf16" if bf16 else "fp32", True)}
     ddp1 = next(r for r in resnet if r["case"] == "ddp" and r["world_size"] == 1)
     assert isinstance(ddp1["ddp_cost_pct"], float)
+    # Each rank's peak, from torch.cuda.max_memory_allocated, at least what it holds.
+    for row in (r for r in rows if r["case"] in ("ddp", "zero1", "fsdp")):
+        held = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
+        assert isinstance(row["peak_bytes"], int) and row["peak_bytes"] >= held, row
+    fsdp = next(r for r in resnet if r["case"] == "fsdp" and r["world_size"] == world)
+    assert fsdp["channels_last"] is False and fsdp["parameter_bytes"] <= \
+        ddp1["parameter_bytes"] / world + 4 * 2**20
     # DataParallel, knobs and bandwidth only where there are 2 GPUs to measure them on.
     assert {r["world_size"] for r in rows if r["case"] == "dataparallel"} == \
         set(range(2, world + 1))
