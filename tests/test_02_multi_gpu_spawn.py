@@ -58,9 +58,10 @@ def test_world_sizes_train_to_the_same_quality(lesson_run, world_size):
     assert metrics["threads_per_rank"] >= 1
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 5, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 5])
 def test_evaluation_counts_each_test_wine_exactly_once(lesson_run, world_size):
-    # 36 test wines over 5 or 8 ranks do not split evenly; DistributedSampler would pad them.
+    # 36 test wines over 5 ranks do not split evenly (8, 7, 7, 7, 7); DistributedSampler would
+    # pad them to 40, and count 4 of them twice.
     epochs = 20 if world_size <= 3 else 2
     result, out_dir = lesson_run(LESSON, *CPU, "--world-size", world_size, "--epochs", epochs)
     assert result.returncode == 0, result.stderr
