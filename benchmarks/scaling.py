@@ -693,6 +693,11 @@ def print_tables(rows, bandwidth_rows):
                   f"{number(row['busbw_GBps'], '11.3f'):>11}")
 
 
+def held_bytes(row):
+    """Parameters, gradients and optimizer state: what a rank holds between steps."""
+    return row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
+
+
 def print_memory(rows):
     """What each rank holds under DDP, ZeRO-1 and FSDP, and what sharding costs in samples/s."""
     cases, models = ("ddp", *SHARDED), list(dict.fromkeys(r["model"] for r in rows))
@@ -709,9 +714,8 @@ def print_memory(rows):
     print("-" * len(header))
     mib = 2**20
     for row in mine:
-        held = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
-        ddp = find_row(rows, row["model"], "ddp", row["world_size"])
-        ddp_held = ddp["parameter_bytes"] + ddp["gradient_bytes"] + ddp["optimizer_bytes"]
+        held = held_bytes(row)
+        ddp_held = held_bytes(find_row(rows, row["model"], "ddp", row["world_size"]))
         peak = "N/A" if row["peak_bytes"] is None else f"{row['peak_bytes'] / mib:.1f}"
         print(f"{row['model']:9} {row['case']:6} {row['world_size']:3d} "
               f"{row['parameter_bytes'] / mib:11.3f} {row['gradient_bytes'] / mib:10.3f} "
@@ -723,9 +727,8 @@ def print_memory(rows):
         for case in SHARDED:
             row = find_row(rows, model, case, top)
             if row and ddp:
-                held = row["parameter_bytes"] + row["gradient_bytes"] + row["optimizer_bytes"]
-                ddp_held = ddp["parameter_bytes"] + ddp["gradient_bytes"] + ddp["optimizer_bytes"]
-                print(f"{model}: {case} on {top} ranks holds {held / ddp_held:.0%} of DDP's "
+                share = held_bytes(row) / held_bytes(ddp)
+                print(f"{model}: {case} on {top} ranks holds {share:.0%} of DDP's "
                       f"parameters, gradients and optimizer state per rank, at "
                       f"{row['vs_default']:.2f} x DDP's samples/s")
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 import signal
 import socket
@@ -105,6 +106,12 @@ def assert_good_run(result, out_dir, world_size, min_accuracy=0.9):
     # final.pt is the plain model's state_dict: lesson 01's keys, no "module." prefix.
     assert list(load_weights(out_dir)) == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     return metrics
+
+
+def fsdp_rows(rows, rank, world_size):
+    """The rows of a tensor that FSDP gives a rank: chunks of ceil(rows / N), the last short."""
+    chunk = math.ceil(rows / world_size)
+    return max(0, min(chunk, rows - rank * chunk))
 
 
 def free_port():

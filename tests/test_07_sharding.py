@@ -5,7 +5,6 @@ each rank holds the bytes the arithmetic says, and the sharded checkpoint resume
 under another strategy and world size. The GPU tier (NCCL) is at the end of this file."""
 
 import json
-import math
 import shutil
 
 import pytest
@@ -16,6 +15,7 @@ from helpers import (
     assert_good_run,
     assert_one_line_error,
     evaluate_single_process,
+    fsdp_rows,
     load_weights,
     max_weight_difference,
     read_metrics,
@@ -46,12 +46,6 @@ def lesson02(lesson_run, world_size, batch_size):
 def memory(out_dir):
     """Per rank: {"parameters", "gradients", "optimizer_state", "peak"} in bytes."""
     return read_metrics(out_dir)["memory"]
-
-
-def fsdp_rows(rows, rank, world_size):
-    """The rows of a tensor that FSDP gives a rank: chunks of ceil(rows / N), the last short."""
-    chunk = math.ceil(rows / world_size)
-    return max(0, min(chunk, rows - rank * chunk))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", *SHARDED])

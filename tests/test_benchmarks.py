@@ -18,7 +18,7 @@ import threading
 import pytest
 import torch
 
-from helpers import GPUS, ROOT, assert_one_line_error
+from helpers import GPUS, ROOT, assert_one_line_error, fsdp_rows
 
 SCRIPT = ROOT / "benchmarks" / "scaling.py"
 # Tiny: 32x32 images, batch 2, a couple of steps. Every case still runs, on 1 and 2 ranks.
@@ -167,16 +167,11 @@ def test_every_knob_is_measured_on_resnet18_at_the_largest_world_size(cpu_run):
         assert row["accumulate"] == (4 if row["knob"] == "no_sync" else 1)
 
 
-def expected_bytes(model_name, strategy, world_size):
-    """Bytes of parameters (and so of gradients, and of SGD's momentum) on the most loaded rank,
-    from the model's own tensors: DDP holds every tensor whole; FSDP cuts each along dim 0 into
-    chunks of ceil(rows / N) rows, and rank 0's chunk is always a full one."""
-    model = import_script().build_model(model_name)
-    total = 0
-    for p in model.parameters():
-        rows = p.shape[0] if strategy == "fsdp" else world_size * p.shape[0]
-        total += -(-rows // world_size) * p[0].numel() * p.element_size()
-    return total
+def fsdp_rank0_bytes(tensors, world_size):
+    """Bytes of parameters (and so of gradients, and of SGD's momentum) on FSDP's most loaded
+    rank: each tensor cut along dim 0 into chunks of ceil(rows / N) rows, rank 0's a full one."""
+    return sum(fsdp_rows(p.shape[0], 0, world_size) * p[0].numel() * p.element_size()
+               for p in tensors)
 
 
 def test_memory_per_rank_is_each_strategys_share(cpu_run):
@@ -185,19 +180,21 @@ def test_memory_per_rank_is_each_strategys_share(cpu_run):
     rank all three hold what DDP holds. A strategy that shards nothing fails here."""
     result, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "results")
+    scaling = import_script()
     for model in ("wine-mlp", "resnet18"):
         def held(case, world_size, rows=rows, model=model):
             row = next(r for r in rows if (r["model"], r["case"], r["world_size"]) ==
                        (model, case, world_size) and r["knob"] is None)
             return [row[field] for field in MEMORY]
 
-        whole = expected_bytes(model, "ddp", 2)
+        tensors = list(scaling.build_model(model).parameters())
+        whole = sum(p.numel() * p.element_size() for p in tensors)
         assert held("ddp", 1) == held("ddp", 2) == [whole] * 3
         assert held("zero1", 1) == held("fsdp", 1) == [whole] * 3
-        assert held("fsdp", 2) == [expected_bytes(model, "fsdp", 2)] * 3
+        assert held("fsdp", 2) == [fsdp_rank0_bytes(tensors, 2)] * 3
         assert held("fsdp", 2)[0] < 0.55 * whole
         params, grads, optimizer = held("zero1", 2)
-        largest = max(p.numel() * 4 for p in import_script().build_model(model).parameters())
+        largest = max(p.numel() * p.element_size() for p in tensors)
         assert (params, grads) == (whole, whole)
         assert whole / 2 <= optimizer <= whole / 2 + largest
         assert optimizer < whole
