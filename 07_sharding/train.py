@@ -582,11 +582,12 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
                         "says which"):
     """Around one rank's work: ranks that do not meet, or lose each other, end with one line
     each, and Ctrl-C quietly; the rank leaves the process group however it ends, and a rank
-    that finished leaves its process through leave_process."""
+    that finished, or said why it stopped, leaves its process through leave_process."""
+    code = 0
     try:
         yield
     except KeyboardInterrupt:
-        sys.exit(130)  # Ctrl-C reached every process: the launcher says so, once
+        code = 130  # Ctrl-C reached every process: the launcher says so, once
     except Exception as error:
         if not is_lost_contact(error):
             raise  # this rank's own failure: spawn or torchrun shows its traceback
@@ -602,26 +603,29 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
         # Printed here, not by fail(): each rank has its own story, and under torchrun start()
         # keeps only rank 0's copy of the lines that every rank shares.
         print(f"error: {message}", file=sys.stderr)
-        sys.exit(1)
+        code = 1
     finally:
         # Also when training fails, so this rank does not leave its peers hanging.
         if dist.is_initialized():
             dist.destroy_process_group()
-    leave_process()  # reached only when the rank's work ended well
+    leave_process(code)  # the work ended well (0), or with its one line (1) or Ctrl-C (130)
 
 
-def leave_process():
-    """The teardown workaround: a rank whose work is done and written leaves at once.
+def leave_process(code=0):
+    """The teardown workaround: a rank whose work is done and written, or that has said why it
+    stopped, leaves at once with that exit code.
 
     With torch 2.14, gloo's threads can outlive destroy_process_group, and Python tearing down
-    the interpreter under them sometimes aborts a rank that has finished ("terminate called
-    without an active exception"), failing a job whose results are on disk. Seen in lesson 07
-    (ZeRO-1), about 1 run in 25; `python tools/repro_teardown.py --lesson 07_sharding` counts
-    it with and without this function. Upstream: pytorch/pytorch#190489 and the abandoned
-    pytorch/pytorch#179291 (gloo work that outlives the interpreter)."""
+    the interpreter under them sometimes aborts the rank ("terminate called without an active
+    exception"): a job whose results are on disk fails, and a rank that printed its one-line
+    error dies with exit code -6, so the launcher adds a second, wrong line. Seen in lesson 07
+    (ZeRO-1) about 1 run in 25, and after "lost contact" in lesson 03;
+    `python tools/repro_teardown.py --lesson 07_sharding` counts it with and without this
+    function. Upstream: pytorch/pytorch#190489 and the abandoned pytorch/pytorch#179291 (gloo
+    work that outlives the interpreter)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def is_lost_contact(error):

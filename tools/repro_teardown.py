@@ -37,7 +37,11 @@ if __name__ in ("__main__", "__mp_main__") and sys.argv[1:2] == ["--run"]:
     sys.modules["lesson"] = lesson  # so that the ranks can unpickle lesson.worker
     spec.loader.exec_module(lesson)
     if MODE == "plain":
-        lesson.leave_process = lambda: None  # rank_guard looks the name up when a rank ends
+        def leave_as_python_does(code=0):
+            if code:
+                sys.exit(code)  # return to the interpreter, which tears itself down
+
+        lesson.leave_process = leave_as_python_does  # rank_guard looks the name up at the end
     if __name__ == "__main__":
         lesson.start(lesson.launch, lambda: lesson.parse_args(LESSON_ARGS), torchrun_ok=False)
         sys.exit(0)
