@@ -1,22 +1,50 @@
+import hashlib
+import json
+import os
+import subprocess
+
 import pytest
+from filelock import FileLock
 
 from helpers import run_lesson
 
 
+def shared_folder(tmp_path_factory):
+    """A folder every pytest-xdist worker of this session sees: the session's base temporary
+    folder, whose popen-gwN subfolders are the workers' own. Without xdist, this run's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def lesson_run(tmp_path_factory):
-    """run(lesson, *args, patch=None) -> (finished process, out_dir), each distinct run once.
+    """run(lesson, *args, patch=None, env=None) -> (finished process, out_dir), each distinct
+    run made once per test session, even when tests in both workers ask for it.
 
     Several tests look at the same run from different sides; launching it once keeps the suite
-    fast on a 2-core machine."""
-    cache = {}
+    fast on a 2-core machine. The first worker to ask runs it, holding a lock, and writes what
+    it printed next to its out_dir; a worker that asks later waits for the lock and reads that.
+    Tests only read a shared run's folder (copy it to change it)."""
+    root = shared_folder(tmp_path_factory) / "lesson_runs"
+    root.mkdir(exist_ok=True)
 
     def run(lesson, *args, patch=None, env=None):
-        key = (lesson, tuple(map(str, args)), patch, tuple(sorted((env or {}).items())))
-        if key not in cache:
-            out_dir = tmp_path_factory.mktemp(lesson)
-            result = run_lesson(lesson, *args, "--out-dir", out_dir, patch=patch, env=env)
-            cache[key] = (result, out_dir)
-        return cache[key]
+        key = json.dumps([lesson, list(map(str, args)), patch, sorted((env or {}).items())])
+        folder = root / f"{lesson}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+        record = folder / "result.json"
+        with FileLock(f"{folder}.lock"):
+            if not record.exists():
+                (folder / "out").mkdir(parents=True, exist_ok=True)
+                result = run_lesson(lesson, *args, "--out-dir", folder / "out", patch=patch,
+                                    env=env)
+                done = {"key": key, "args": result.args, "returncode": result.returncode,
+                        "stdout": result.stdout, "stderr": result.stderr}
+                record.with_suffix(".tmp").write_text(json.dumps(done))
+                record.with_suffix(".tmp").replace(record)
+            done = json.loads(record.read_text())
+        assert done["key"] == key, f"two runs share {folder.name}"
+        result = subprocess.CompletedProcess(done["args"], done["returncode"], done["stdout"],
+                                             done["stderr"])
+        return result, folder / "out"
 
     return run

@@ -88,10 +88,11 @@ def test_global_rank_gives_every_rank_exactly_once():
 
 
 def test_one_node_is_lesson_02(lesson_run):
-    result, out_dir = lesson_run(LESSON, *CPU, "--nproc-per-node", 2)
+    result, out_dir = lesson_run(LESSON, *CPU, "--nproc-per-node", 2, "--batch-size", 16)
     metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
     assert (metrics["nnodes"], metrics["launcher"]) == (1, "spawn")
-    _, lesson02 = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 2)
+    # The run test_02_multi_gpu_spawn.py makes: lesson_run makes it once for the session.
+    _, lesson02 = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 2, "--batch-size", 16)
     assert max_weight_difference(out_dir, lesson02) == 0
     assert "rank 1 = 0 * 2 + 1" in result.stdout
 

@@ -23,8 +23,13 @@ LESSON = "05_model_parallel_ddp"
 CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
 
 
+def two_ranks(lesson_run):
+    """The run these tests share (lesson_run makes it once): 2 ranks x batch 16, as lesson 02's."""
+    return lesson_run(LESSON, *CPU, "--world-size", 2, "--batch-size", 16)
+
+
 def test_two_cpu_ranks_learn_and_count_every_test_wine(lesson_run):
-    result, out_dir = lesson_run(LESSON, *CPU, "--world-size", 2)
+    result, out_dir = two_ranks(lesson_run)
     metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.9)
     assert (metrics["backend"], metrics["device"]) == ("gloo", "cpu")
     assert metrics["stage_devices"] == ["cpu", "cpu"]
@@ -36,7 +41,7 @@ def test_two_cpu_ranks_learn_and_count_every_test_wine(lesson_run):
 def test_placement_does_not_change_the_math(lesson_run):
     # Same seed and flags as lesson 02's run (the cache shares it with lesson 02's tests).
     _, spawn = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 2, "--batch-size", 16)
-    result, split = lesson_run(LESSON, *CPU, "--world-size", 2, "--batch-size", 16)
+    result, split = two_ranks(lesson_run)
     assert result.returncode == 0, result.stderr
     assert read_metrics(split)["train_loss"] == pytest.approx(read_metrics(spawn)["train_loss"])
     assert max_weight_difference(spawn, split) < 1e-5
