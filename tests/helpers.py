@@ -22,6 +22,18 @@ GPUS = torch.cuda.device_count()
 NO_GPUS = {"CUDA_VISIBLE_DEVICES": ""}
 
 
+# Lesson 02's runs that its own tests and lessons 03, 05 and 07 look at: one process with batch
+# 32 and two ranks with batch 16, the same global batch and so the same steps; 5 ranks with batch
+# 8, more ranks than a 2-core machine has cores, over which the 36 test wines do not split evenly.
+LESSON02_RUNS = {1: ["--batch-size", 32], 2: ["--batch-size", 16], 5: ["--batch-size", 8]}
+
+
+def lesson02_run(lesson_run, world_size):
+    """One of LESSON02_RUNS on gloo; lesson_run makes it once per session."""
+    return lesson_run("02_multi_gpu_spawn", "--backend", "gloo", "--world-size", world_size,
+                      *LESSON02_RUNS[world_size])
+
+
 def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None):
     """Run `python <lesson>/train.py args...` as a subprocess and return the finished process.
 

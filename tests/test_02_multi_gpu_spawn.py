@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers import (
+    LESSON02_RUNS,
     NO_GPUS,
     ROOT,
     assert_good_run,
@@ -23,6 +24,7 @@ from helpers import (
     evaluate_single_process,
     import_lesson,
     interrupt_when,
+    lesson02_run,
     max_weight_difference,
     read_metrics,
     run_lesson,
@@ -50,19 +52,9 @@ def test_default_run_is_two_cpu_ranks_and_learns(default_run):
     assert metrics["threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
-# The runs the tests below share, each made once (lesson_run): one process with batch 32 and two
-# ranks with batch 16, the same global batch and so the same steps; 5 ranks with batch 8, more
-# ranks than a 2-core machine has cores, over which the 36 test wines do not split evenly.
-SHARED_RUNS = {1: ["--batch-size", 32], 2: ["--batch-size", 16], 5: ["--batch-size", 8]}
-
-
-def shared_run(lesson_run, world_size):
-    return lesson_run(LESSON, *CPU, "--world-size", world_size, *SHARED_RUNS[world_size])
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 5])
 def test_world_sizes_train_to_the_same_quality(lesson_run, world_size):
-    result, out_dir = shared_run(lesson_run, world_size)
+    result, out_dir = lesson02_run(lesson_run, world_size)
     metrics = assert_good_run(result, out_dir, world_size=world_size)
     assert metrics["threads_per_rank"] >= 1
 
@@ -71,7 +63,7 @@ def test_world_sizes_train_to_the_same_quality(lesson_run, world_size):
 def test_evaluation_counts_each_test_wine_exactly_once(lesson_run, world_size):
     # 36 test wines over 5 ranks do not split evenly (8, 7, 7, 7, 7); DistributedSampler would
     # pad them to 40, and count 4 of them twice.
-    result, out_dir = shared_run(lesson_run, world_size)
+    result, out_dir = lesson02_run(lesson_run, world_size)
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(out_dir)
     assert metrics["test_total"] == 36
@@ -80,8 +72,8 @@ def test_evaluation_counts_each_test_wine_exactly_once(lesson_run, world_size):
 
 
 def test_ddp_with_two_ranks_equals_one_process_with_twice_the_batch(lesson_run):
-    _, one = shared_run(lesson_run, 1)  # batch 32
-    _, two = shared_run(lesson_run, 2)  # 2 x batch 16
+    _, one = lesson02_run(lesson_run, 1)  # batch 32
+    _, two = lesson02_run(lesson_run, 2)  # 2 x batch 16
     assert read_metrics(two)["test_total"] == 36
     assert max_weight_difference(one, two) < 1e-5
 
@@ -89,8 +81,8 @@ def test_ddp_with_two_ranks_equals_one_process_with_twice_the_batch(lesson_run):
 def test_control_without_gradient_averaging_gives_other_weights(lesson_run):
     # Same run with DDP swapped for a wrapper that does not all-reduce gradients: each rank
     # trains alone on half the data, and the comparison above must fail.
-    _, one = shared_run(lesson_run, 1)
-    result, alone = lesson_run(LESSON, *CPU, "--world-size", 2, *SHARED_RUNS[2], patch="no-ddp")
+    _, one = lesson02_run(lesson_run, 1)
+    result, alone = lesson_run(LESSON, *CPU, "--world-size", 2, *LESSON02_RUNS[2], patch="no-ddp")
     assert result.returncode == 0, result.stderr
     assert max_weight_difference(one, alone) > 1e-2
 

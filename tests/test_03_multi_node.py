@@ -21,6 +21,7 @@ from helpers import (
     evaluate_single_process,
     free_port,
     import_lesson,
+    lesson02_run,
     max_weight_difference,
     run_lesson,
     run_nodes,
@@ -91,8 +92,7 @@ def test_one_node_is_lesson_02(lesson_run):
     result, out_dir = lesson_run(LESSON, *CPU, "--nproc-per-node", 2, "--batch-size", 16)
     metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
     assert (metrics["nnodes"], metrics["launcher"]) == (1, "spawn")
-    # The run test_02_multi_gpu_spawn.py makes: lesson_run makes it once for the session.
-    _, lesson02 = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 2, "--batch-size", 16)
+    _, lesson02 = lesson02_run(lesson_run, 2)
     assert max_weight_difference(out_dir, lesson02) == 0
     assert "rank 1 = 0 * 2 + 1" in result.stdout
 

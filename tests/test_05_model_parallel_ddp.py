@@ -13,6 +13,7 @@ from helpers import (
     error_lines,
     evaluate_single_process,
     import_lesson,
+    lesson02_run,
     max_weight_difference,
     read_metrics,
     run_lesson,
@@ -40,7 +41,7 @@ def test_two_cpu_ranks_learn_and_count_every_test_wine(lesson_run):
 
 def test_placement_does_not_change_the_math(lesson_run):
     # Same seed and flags as lesson 02's run (the cache shares it with lesson 02's tests).
-    _, spawn = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 2, "--batch-size", 16)
+    _, spawn = lesson02_run(lesson_run, 2)
     result, split = two_ranks(lesson_run)
     assert result.returncode == 0, result.stderr
     assert read_metrics(split)["train_loss"] == pytest.approx(read_metrics(spawn)["train_loss"])

@@ -16,6 +16,7 @@ from helpers import (
     assert_one_line_error,
     evaluate_single_process,
     fsdp_rows,
+    lesson02_run,
     load_weights,
     max_weight_difference,
     read_metrics,
@@ -35,12 +36,6 @@ def two_ranks(lesson_run, strategy, *args, patch=None):
     """2 ranks x batch 16 = the global batch 32 of the comparisons below."""
     return lesson_run(LESSON, *CPU, "--strategy", strategy, "--world-size", 2,
                       "--batch-size", 16, *args, patch=patch)
-
-
-def lesson02(lesson_run, world_size, batch_size):
-    # The very runs test_02_multi_gpu_spawn.py makes: the fixture runs each only once.
-    return lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", world_size,
-                      "--batch-size", batch_size)[1]
 
 
 def memory(out_dir):
@@ -63,14 +58,14 @@ def test_every_strategy_learns_and_writes_lesson_01s_weights(lesson_run, strateg
 
 def test_ddp_strategy_is_lesson_02_to_the_last_bit(lesson_run):
     _, ours = two_ranks(lesson_run, "ddp")
-    assert max_weight_difference(ours, lesson02(lesson_run, 2, 16)) == 0.0
+    assert max_weight_difference(ours, lesson02_run(lesson_run, 2)[1]) == 0.0
 
 
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_sharded_training_takes_the_steps_of_ddp_and_of_one_process(lesson_run, strategy):
     _, sharded = two_ranks(lesson_run, strategy)
-    assert max_weight_difference(sharded, lesson02(lesson_run, 2, 16)) < 1e-5
-    assert max_weight_difference(sharded, lesson02(lesson_run, 1, 32)) < 1e-5
+    assert max_weight_difference(sharded, lesson02_run(lesson_run, 2)[1]) < 1e-5
+    assert max_weight_difference(sharded, lesson02_run(lesson_run, 1)[1]) < 1e-5
 
 
 @pytest.mark.parametrize("strategy", SHARDED)
@@ -79,7 +74,7 @@ def test_control_without_gradient_reduction_gives_other_weights(lesson_run, stra
     # the comparison above must fail, or it could not tell a sharded step from a local one.
     result, alone = two_ranks(lesson_run, strategy, patch="no-gradient-sync")
     assert result.returncode == 0, result.stderr
-    assert max_weight_difference(alone, lesson02(lesson_run, 1, 32)) > 1e-2
+    assert max_weight_difference(alone, lesson02_run(lesson_run, 1)[1]) > 1e-2
 
 
 def ddp_bytes():
