@@ -447,8 +447,8 @@ def started_by_torchrun():
 def check_launcher(torchrun_ok):
     """Name the right command when a launcher the lesson is not written for started it."""
     if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
-             f"05; start it with: python {sys.argv[0]}")
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04, 05 "
+             f"and 07; start it with: python {sys.argv[0]}")
 
 
 def check_out_dir(path):
@@ -700,9 +700,21 @@ def restart_store(rank, world_size, timeout):
     ranks that are gone, and fail ("Connection refused") or hang. A prefix per attempt keeps
     each attempt's keys its own. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
     environment, PyTorch's own switch, every attempt gets a fresh store and this returns None.
-    tools/repro_agent_store.py reproduces it; upstream: pytorch/pytorch#135712."""
+    On several nodes with the c10d rendezvous only the switch works: torchrun also restarts a
+    node's ranks when another node's failed, without counting it, so the nodes' counts and
+    prefixes can differ, and the restarted ranks wait --timeout for each other; rank 0 says so
+    when such a job starts. tools/repro_agent_store.py reproduces both (--nodes 2); upstream:
+    pytorch/pytorch#135712."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if (shared and nodes > 1 and attempt == 0 and rank == 0
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        print(f"note: torchrun may restart these ranks on {nodes} nodes, with one store for "
+              "every attempt; with the c10d rendezvous, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+              "for torchrun on every node, or a restart can wait --timeout for ranks that never "
+              "come (pytorch/pytorch#135712)", flush=True)
+    if attempt == 0 or not shared:
         return None
     return dist.PrefixStore(
         f"attempt_{attempt}",

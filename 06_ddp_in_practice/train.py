@@ -485,8 +485,8 @@ def started_by_torchrun():
 def check_launcher(torchrun_ok):
     """Name the right command when a launcher the lesson is not written for started it."""
     if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
-             f"05; start it with: python {sys.argv[0]}")
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04, 05 "
+             f"and 07; start it with: python {sys.argv[0]}")
 
 
 def check_out_dir(path):

@@ -7,12 +7,17 @@ DDP keeps a full copy of the parameters, gradients and optimizer state on every 
 optimizer state, and gathers one layer at a time for forward and backward. All three take the
 same steps; the run prints the bytes each rank holds. torch.distributed.checkpoint saves each
 rank's shards in parallel, and a run resumes from them with any strategy and number of ranks.
+mp.spawn starts the ranks on one machine; torchrun, as in lesson 04, on one machine or several.
 
 Run it:
     python 07_sharding/train.py                                  # FSDP on every GPU, or 2 CPU ranks
     python 07_sharding/train.py --strategy zero1 --world-size 4  # ZeRO-1, 4 CPU processes
     python 07_sharding/train.py --strategy ddp --hidden 4096     # DDP on a wider model: more memory
     CUDA_VISIBLE_DEVICES=0,1 python 07_sharding/train.py         # the first two GPUs, NCCL
+    torchrun --standalone --nproc-per-node 2 07_sharding/train.py  # torchrun starts the ranks
+    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST0 --master-port 29500 \
+        07_sharding/train.py --out-dir /shared/runs/07   # on node 0; node 1: --node-rank 1.
+                                                         # --out-dir: a folder every node sees
 """
 
 import argparse
@@ -52,15 +57,16 @@ from torch.utils.data.distributed import DistributedSampler
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
-def choose_backend(requested, world_size):
-    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+def choose_backend(requested, world_size, flag="--world-size"):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU. flag names what set
+    the number of ranks on this machine: --world-size, or torchrun's --nproc-per-node."""
     gpus = torch.cuda.device_count()
     if requested == "nccl":
         if gpus == 0 or not dist.is_nccl_available():
             fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
         if world_size > gpus:
-            fail(f"--world-size {world_size} with NCCL needs {world_size} GPUs (one per rank), "
-                 f"but {gpus} visible; use --world-size {gpus} or --backend gloo")
+            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
+                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
         return "nccl"
     if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
         return "nccl"
@@ -78,25 +84,27 @@ def find_free_port():
         return sock.getsockname()[1]
 
 
-def setup_process_group(rank, world_size, backend, timeout):
+def setup_process_group(rank, local_rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
     if backend == "nccl":
         # Pin this process to its own GPU before anything touches CUDA. Without it every rank
         # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+        # The local rank picks it: under torchrun on several nodes, each numbers its GPUs from 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
     else:
         # The ranks share the machine's cores: give each its share of threads, or they all
         # start one thread per core and spend their time fighting over them.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, cores // world_size))
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, cores // ranks_here))
         device = torch.device("cpu")
-    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens. The
-    # timeout bounds the wait for the other ranks here, and every collective after it: a rank
-    # that never arrives ends the job with an error instead of a silent hang (the default is
-    # 10 minutes for NCCL, 30 for gloo).
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout),
+    # MASTER_ADDR and MASTER_PORT (set by launch or torchrun) tell every rank where rank 0
+    # listens. The timeout bounds the wait for the other ranks here, and every collective after
+    # it: a rank that never arrives ends the job with an error instead of a silent hang (the
+    # default is 10 minutes for NCCL, 30 for gloo).
+    dist.init_process_group(backend, store=restart_store(rank, world_size, timeout), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
 
@@ -372,9 +380,9 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
-def main(rank, args):
+def main(rank, local_rank, args):
     start = args.start_time  # set by launch, before the ranks were started
-    device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
+    device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
                                       args.world_size)
@@ -389,7 +397,10 @@ def main(rank, args):
                       args.out_dir, rank, args.world_size, args.strategy)
 
     # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
-    checkpoint = latest_checkpoint(trainer.checkpoint_dir)
+    # Rank 0 picks it and tells the others, so that every rank loads the same one; every rank
+    # reads its shards from that folder, so it must see it too, also on another node (see
+    # agree_on_checkpoint in the guard rails).
+    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir)
     if checkpoint:
         progress = trainer.load_checkpoint(checkpoint)
         if trainer.is_main_process:
@@ -426,6 +437,7 @@ def main(rank, args):
         "strategy": args.strategy,
         "hidden": args.hidden,
         "world_size": args.world_size,
+        "launcher": args.launcher,
         "resumed_after_epoch": progress["epochs_completed"] if checkpoint else 0,
         "backend": args.backend,
         "device": device.type,
@@ -452,16 +464,30 @@ def main(rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-def worker(rank, args):
-    """What mp.spawn runs in each new process: main, then leave the process group."""
+def worker(local_rank, args):
+    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
+    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
+    rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
     with rank_guard(rank, args):  # a failure becomes one line; see the guard rails below
-        main(rank, args)
+        main(rank, local_rank, args)
         dist.destroy_process_group()
 
 
 def launch(args):
-    """Pick backend and port, then start one process per rank."""
+    """Pick backend and port, then start one process per rank; or, under torchrun, which has
+    started them already, be one rank."""
     args.start_time = time.time()
+    if started_by_torchrun():
+        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
+        # is one rank. The ranks of every node form one group, one mesh, one checkpoint.
+        args.launcher = "torchrun"
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
+        check_sharding(args)
+        worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
+        return
+    args.launcher = "spawn"
     args.backend = choose_backend(args.backend, args.world_size)
     check_sharding(args)  # the width and any checkpoint: see the guard rails
     # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
@@ -511,8 +537,8 @@ def started_by_torchrun():
 def check_launcher(torchrun_ok):
     """Name the right command when a launcher the lesson is not written for started it."""
     if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04 and "
-             f"05; start it with: python {sys.argv[0]}")
+        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04, 05 "
+             f"and 07; start it with: python {sys.argv[0]}")
 
 
 def check_out_dir(path):
@@ -661,7 +687,8 @@ def spawn_guard(what, then=""):
 
 
 # ---------------------------------------------------------------------------------------------
-# Guard rails of this lesson: a width or a checkpoint that cannot continue this run
+# Guard rails of this lesson: a width or a checkpoint that cannot continue this run, a checkpoint
+# folder that some rank cannot see, and the store torchrun's restarts need
 # ---------------------------------------------------------------------------------------------
 def check_sharding(args):
     """Refuse, before any rank starts, a width or a checkpoint that cannot work."""
@@ -693,9 +720,77 @@ def check_checkpoint(path, args):
              f"least {done} or choose another --out-dir")
 
 
+def agree_on_checkpoint(rank, checkpoint_dir):
+    """The checkpoint to resume from (None: start afresh), chosen by rank 0 for every rank,
+    once every rank has shown that it sees the folder rank 0 writes to. Else one line from
+    rank 0, and the job stops before it trains.
+
+    Every rank writes its own shards into that folder and reads them all back on resume. On
+    one machine it is one folder; across nodes it is one only on a filesystem they share. On
+    disks of their own, each node would keep its ranks' shards and rank 0 alone .metadata: a
+    checkpoint that no node could load, found only at the resume."""
+    note = os.path.join(checkpoint_dir, ".rank0")
+    choice = [None, None]  # [checkpoint or None, what rank 0 wrote into the note]
+    if rank == 0:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        choice = [latest_checkpoint(checkpoint_dir), f"{socket.gethostname()} {time.time_ns()}"]
+        with open(note, "w") as f:
+            f.write(choice[1])
+    dist.broadcast_object_list(choice, src=0)  # after the write: the others look only now
+    try:
+        with open(note) as f:
+            sees = f.read() == choice[1]
+    except OSError:
+        sees = False
+    views = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (socket.gethostname(), sees))
+    if rank == 0:
+        os.remove(note)
+    blind = [f"rank {r} (host {host})" for r, (host, sees) in enumerate(views) if not sees]
+    if blind:
+        sys.exit(f"error: {', '.join(blind)} cannot see {checkpoint_dir}, where rank 0 writes; "
+                 "every rank writes its shards of the checkpoint there and reads them back, so "
+                 "give every node the same --out-dir on a filesystem they all share"
+                 if rank == 0 else 1)
+    return choice[0]
+
+
+def restart_store(rank, world_size, timeout):
+    """None (init_process_group builds the store from MASTER_ADDR and MASTER_PORT), except in a
+    torchrun restart that shares its agent's store: then that store, with a prefix per attempt.
+
+    torchrun's agent hosts one store for the whole job, across restarts (--standalone and the
+    c10d rendezvous, torch 2.4 to 2.14), and hands it to every attempt. The ranks of a
+    restarted attempt would find the keys of the failed one in it, such as the addresses of
+    ranks that are gone, and fail ("Connection refused") or hang. A prefix per attempt keeps
+    each attempt's keys its own. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
+    environment, PyTorch's own switch, every attempt gets a fresh store and this returns None.
+    On several nodes with the c10d rendezvous only the switch works: torchrun also restarts a
+    node's ranks when another node's failed, without counting it, so the nodes' counts and
+    prefixes can differ, and the restarted ranks wait --timeout for each other; rank 0 says so
+    when such a job starts. tools/repro_agent_store.py reproduces both (--nodes 2); upstream:
+    pytorch/pytorch#135712."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if (shared and nodes > 1 and attempt == 0 and rank == 0
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        print(f"note: torchrun may restart these ranks on {nodes} nodes, with one store for "
+              "every attempt; with the c10d rendezvous, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+              "for torchrun on every node, or a restart can wait --timeout for ranks that never "
+              "come (pytorch/pytorch#135712)", flush=True)
+    if attempt == 0 or not shared:
+        return None
+    return dist.PrefixStore(
+        f"attempt_{attempt}",
+        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                      is_master=False, timeout=datetime.timedelta(seconds=timeout)))
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 07: train the wine MLP with DDP, ZeRO-1 or FSDP (mp.spawn).",
+        description="Lesson 07: train the wine MLP with DDP, ZeRO-1 or FSDP (mp.spawn or "
+                    "torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
@@ -723,4 +818,4 @@ def parse_args(argv=None):
 
 
 if __name__ == "__main__":
-    start(launch, parse_args, torchrun_ok=False)
+    start(launch, parse_args, torchrun_ok=True)

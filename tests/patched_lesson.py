@@ -5,7 +5,8 @@
 PATCH is one of:
   no-ddp          replace DistributedDataParallel by a wrapper that does not synchronise
                   gradients: each rank trains on its own (the control for the DDP-math test)
-  raise-on-rank-1 rank 1 raises at the start of its second epoch (a crashed rank)
+  raise-on-rank-1 rank 1 raises at the start of its second epoch (a crashed rank); not in a
+                  torchrun restart (TORCHELASTIC_RESTART_COUNT above 0), which gets past it
   die-while-saving
                   the second torch.save of the run writes half its bytes, then its process is
                   killed (SIGKILL), as by a power cut or the out-of-memory killer mid-write
@@ -60,7 +61,8 @@ class NoSync(nn.Module):
 
 
 def raise_on_rank_1(self, epoch):
-    if self.rank == 1 and epoch == 1:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if self.rank == 1 and epoch == 1 and not restarted:
         raise RuntimeError("injected failure on rank 1")
     return original_train_epoch(self, epoch)
 

@@ -1,26 +1,34 @@
-"""Lesson 07, run as a learner runs it: python 07_sharding/train.py (mp.spawn, gloo/CPU).
+"""Lesson 07, run as a learner runs it: python 07_sharding/train.py (mp.spawn, gloo/CPU), and
+torchrun on two nodes.
 
 The same training as DDP, with less held per rank: ZeRO-1 and FSDP end with lesson 02's weights,
 each rank holds the bytes the arithmetic says, and the sharded checkpoint resumes exactly, also
-under another strategy and world size. The GPU tier (NCCL) is at the end of this file."""
+under another strategy and world size, and across nodes after a torchrun restart. The GPU tier
+(NCCL) is at the end of this file."""
 
 import json
+import os
 import shutil
+import sys
 
 import pytest
 import torch
 
 from helpers import (
     GPUS,
+    ROOT,
     assert_good_run,
     assert_one_line_error,
+    error_lines,
     evaluate_single_process,
+    free_port,
     fsdp_rows,
     lesson02_run,
     load_weights,
     max_weight_difference,
     read_metrics,
     run_lesson,
+    run_nodes,
 )
 
 LESSON = "07_sharding"
@@ -225,6 +233,71 @@ def test_a_checkpoint_of_another_width_is_refused_in_one_line(lesson_run, tmp_pa
     result = run_lesson(LESSON, *CPU, "--out-dir", tmp_path)
     assert_one_line_error(result, "cannot be loaded", "delete it")
     assert not (tmp_path / "final.pt").exists()  # nothing trained from scratch in its place
+
+
+# ---------------------------------------------------------------------------------------------
+# Two nodes, started with torchrun: one on each of this machine's first two cores
+# ---------------------------------------------------------------------------------------------
+def torchrun_node(node_rank, port, out_dir, *args, torchrun_args=(), patch=None):
+    """One node's command: torchrun with the static rendezvous (--node-rank, rank 0's address),
+    one process, FSDP with batch 16, so two nodes are two_ranks("fsdp") above. taskset gives the
+    node a core of its own, as on a one-core machine: its rank then runs one thread, as each of
+    the two spawned ranks does on this two-core machine, and the two runs compute alike."""
+    script = [str(ROOT / LESSON / "train.py")]
+    if patch:
+        script = [str(ROOT / "tests" / "patched_lesson.py"), script[0], patch]
+    cores = sorted(os.sched_getaffinity(0))
+    return ["taskset", "-c", str(cores[node_rank % len(cores)]), sys.executable, "-m",
+            "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
+            str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            *map(str, torchrun_args), *script, *CPU, "--strategy", "fsdp", "--batch-size", "16",
+            "--out-dir", str(out_dir), *map(str, args)]
+
+
+needs_taskset = pytest.mark.skipif(shutil.which("taskset") is None,
+                                   reason="needs taskset (util-linux) to give each node a core")
+
+
+@needs_taskset
+def test_two_nodes_crash_restart_and_end_bitwise_equal_to_one_machine(lesson_run, tmp_path):
+    # Rank 1, the only rank of node 1, raises at the start of epoch 2 (not in the restart);
+    # torchrun restarts both nodes' ranks, and they resume from the checkpoint both wrote.
+    port = free_port()
+    node0, node1 = run_nodes([
+        (torchrun_node(n, port, tmp_path, "--save-every", 1, torchrun_args=["--max-restarts", 1],
+                       patch="raise-on-rank-1"), {}) for n in (0, 1)])
+    assert (node0.returncode, node1.returncode) == (0, 0), node0.stderr + node1.stderr
+    assert "injected failure on rank 1" in node1.stderr
+    assert "epoch_0001: 1 of 20 epochs done, written by fsdp on 2 ranks" in node0.stdout
+    assert "test accuracy" not in node1.stdout  # global rank 0, on node 0, alone prints
+    # Restarts on two nodes with torchrun's one store: rank 0 names the switch that c10d needs.
+    assert node0.stdout.count("set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") == 1, node0.stdout
+    _, one_machine = two_ranks(lesson_run, "fsdp")
+    metrics = read_metrics(tmp_path)
+    assert (metrics["launcher"], metrics["world_size"], metrics["resumed_after_epoch"]) == (
+        "torchrun", 2, 1)
+    assert metrics["train_loss"] == read_metrics(one_machine)["train_loss"]
+    reference = load_weights(one_machine)
+    assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
+    # One checkpoint, with a file from the rank on each node.
+    assert sorted(p.name for p in (tmp_path / "checkpoint" / "epoch_0020").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "progress.json"]
+
+
+@needs_taskset
+def test_nodes_without_a_shared_out_dir_stop_before_training(tmp_path):
+    # Two --out-dir folders stand for two nodes' own disks: node 1 cannot see what rank 0 writes.
+    port = free_port()
+    out_dirs = [tmp_path / "node0", tmp_path / "node1"]
+    node0, node1 = run_nodes([(torchrun_node(n, port, out_dirs[n]), {}) for n in (0, 1)])
+    assert node0.returncode != 0 and node1.returncode != 0
+    errors = error_lines(node0.stderr)
+    assert len(errors) == 1, node0.stderr
+    for fragment in ("rank 1 (host", "cannot see", "on a filesystem they all share"):
+        assert fragment in errors[0], errors[0]
+    assert not error_lines(node1.stderr), node1.stderr  # rank 0 speaks for every rank
+    assert "epoch" not in node0.stdout  # stopped before the first step
+    assert not list((out_dirs[0] / "checkpoint").iterdir())
 
 
 def test_bad_input_gets_one_clear_line(tmp_path):
