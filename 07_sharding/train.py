@@ -607,34 +607,50 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
                lost_fix="another rank stopped, or stalled longer than --timeout; its output "
                         "says which"):
     """Around one rank's work: ranks that do not meet, or lose each other, end with one line
-    each, and Ctrl-C quietly; the rank leaves the process group however it ends, and a rank
-    that finished, or said why it stopped, leaves its process through leave_process."""
+    each, and Ctrl-C quietly; the rank leaves the process group however it ends, and its
+    process through leave_process, except for a failure of its own under mp.spawn, which goes
+    on up to spawn (spawn shows its traceback and names the rank)."""
     code = 0
     try:
         yield
     except KeyboardInterrupt:
         code = 130  # Ctrl-C reached every process: the launcher says so, once
+    except SystemExit as stop:
+        # This rank stopped with its own line (sys.exit), which Python would print on its way
+        # out: printed here instead (under torchrun, rank 0's alone, as start() does).
+        code = 1 if isinstance(stop.code, str) else stop.code or 0
+        if isinstance(stop.code, str) and not (started_by_torchrun() and rank != 0):
+            print(stop.code, file=sys.stderr)
     except Exception as error:
-        if not is_lost_contact(error):
-            raise  # this rank's own failure: spawn or torchrun shows its traceback
-        # The first line, without gloo's source location and its advice: what went wrong.
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
-        if not dist.is_initialized():
-            message = (f"rank {rank}: not all {args.world_size} ranks met at "
-                       f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                       f"{args.timeout:g} s ({reason}); {meet_fix}")
-        else:
-            message = f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}"
-        # Printed here, not by fail(): each rank has its own story, and under torchrun start()
-        # keeps only rank 0's copy of the lines that every rank shares.
-        print(f"error: {message}", file=sys.stderr)
         code = 1
+        if is_lost_contact(error):
+            # Printed here, not by fail(): each rank has its own story, and under torchrun
+            # start() keeps only rank 0's copy of the lines that every rank shares.
+            print(f"error: {lost_contact_line(error, rank, args, meet_fix, lost_fix)}",
+                  file=sys.stderr)
+        elif started_by_torchrun():
+            # This rank's own failure, with its traceback as Python would print it on its way
+            # out (torch puts [rankN] before each line); then the rank leaves with exit code 1.
+            sys.excepthook(type(error), error, error.__traceback__)
+        else:
+            raise  # this rank's own failure: spawn shows its traceback and names the rank
     finally:
         # Also when training fails, so this rank does not leave its peers hanging.
         if dist.is_initialized():
             dist.destroy_process_group()
     leave_process(code)  # the work ended well (0), or with its one line (1) or Ctrl-C (130)
+
+
+def lost_contact_line(error, rank, args, meet_fix, lost_fix):
+    """What a rank that lost the others says: gloo's or the store's first line, without its
+    source location and advice, and what to do."""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
+    if not dist.is_initialized():
+        return (f"rank {rank}: not all {args.world_size} ranks met at "
+                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                f"{args.timeout:g} s ({reason}); {meet_fix}")
+    return f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}"
 
 
 def leave_process(code=0):
@@ -644,11 +660,13 @@ def leave_process(code=0):
     With torch 2.14, gloo's threads can outlive destroy_process_group, and Python tearing down
     the interpreter under them sometimes aborts the rank ("terminate called without an active
     exception"): a job whose results are on disk fails, and a rank that printed its one-line
-    error dies with exit code -6, so the launcher adds a second, wrong line. Seen in lesson 07
-    (ZeRO-1) about 1 run in 25, and after "lost contact" in lesson 03;
+    error or its traceback dies with exit code -6, so the launcher adds a second, wrong line
+    (torchrun: "Signal 6 (SIGABRT)"). Seen in lesson 07 (ZeRO-1) about 1 run in 25, after "lost
+    contact" in lesson 03, and in about 1 torchrun run in 10 where a rank raised;
     `python tools/repro_teardown.py --lesson 07_sharding` counts it with and without this
-    function. Upstream: pytorch/pytorch#190489 and the abandoned pytorch/pytorch#179291 (gloo
-    work that outlives the interpreter)."""
+    function, and with --crash for a rank that raises under torchrun. Upstream:
+    pytorch/pytorch#190489 and the abandoned pytorch/pytorch#179291 (gloo work that outlives
+    the interpreter)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

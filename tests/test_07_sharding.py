@@ -272,6 +272,9 @@ def test_two_nodes_crash_restart_and_end_bitwise_equal_to_one_machine(lesson_run
     assert "test accuracy" not in node1.stdout  # global rank 0, on node 0, alone prints
     # Restarts on two nodes with torchrun's one store: rank 0 names the switch that c10d needs.
     assert node0.stdout.count("set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") == 1, node0.stdout
+    # The rank that raised left with its traceback and exit code 1, not gloo's teardown abort
+    # (rank_guard and leave_process; tools/repro_teardown.py --crash).
+    assert "terminate called" not in node0.stderr + node1.stderr
     _, one_machine = two_ranks(lesson_run, "fsdp")
     metrics = read_metrics(tmp_path)
     assert (metrics["launcher"], metrics["world_size"], metrics["resumed_after_epoch"]) == (
