@@ -236,18 +236,21 @@ def test_a_checkpoint_of_another_width_is_refused_in_one_line(lesson_run, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------
-# Two nodes, started with torchrun: one on each of this machine's first two cores
+# Two nodes, started with torchrun: each on half of this machine's cores
 # ---------------------------------------------------------------------------------------------
 def torchrun_node(node_rank, port, out_dir, *args, torchrun_args=(), patch=None):
     """One node's command: torchrun with the static rendezvous (--node-rank, rank 0's address),
-    one process, FSDP with batch 16, so two nodes are two_ranks("fsdp") above. taskset gives the
-    node a core of its own, as on a one-core machine: its rank then runs one thread, as each of
-    the two spawned ranks does on this two-core machine, and the two runs compute alike."""
+    one process, FSDP with batch 16, so two nodes are two_ranks("fsdp") above. taskset gives
+    each node half of this machine's cores, as on two machines of that size: its one rank then
+    runs as many threads as each of the two spawned ranks does here, and the runs compute
+    alike, to the bit."""
     script = [str(ROOT / LESSON / "train.py")]
     if patch:
         script = [str(ROOT / "tests" / "patched_lesson.py"), script[0], patch]
     cores = sorted(os.sched_getaffinity(0))
-    return ["taskset", "-c", str(cores[node_rank % len(cores)]), sys.executable, "-m",
+    half = max(1, len(cores) // 2)
+    mine = cores[node_rank * half:(node_rank + 1) * half] or cores[:half]
+    return ["taskset", "-c", ",".join(map(str, mine)), sys.executable, "-m",
             "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
             str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
             *map(str, torchrun_args), *script, *CPU, "--strategy", "fsdp", "--batch-size", "16",
@@ -255,7 +258,7 @@ def torchrun_node(node_rank, port, out_dir, *args, torchrun_args=(), patch=None)
 
 
 needs_taskset = pytest.mark.skipif(shutil.which("taskset") is None,
-                                   reason="needs taskset (util-linux) to give each node a core")
+                                   reason="needs taskset (util-linux) to give each node its cores")
 
 
 @needs_taskset
