@@ -32,12 +32,13 @@ job still running at --timeout is killed with its process groups.
 import argparse
 import datetime
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+
+from bounded_wait import wait_all
 
 
 def rank_main(mode):
@@ -97,17 +98,11 @@ def run_jobs(mode, jobs, timeout, nodes):
         start = time.monotonic()
         with tempfile.TemporaryDirectory() as folder:
             processes = start_job(mode, nodes, os.path.join(folder, "crashed"))
-            try:
-                err = "".join(process.communicate(
-                    timeout=max(1, timeout - (time.monotonic() - start)))[1]
-                    for process in processes)
-            except subprocess.TimeoutExpired:
-                for process in processes:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.communicate()
-                failed += 1
-                print(f"  {mode}: a job did not end within {timeout:g} s (killed)", flush=True)
-                continue
+            err = wait_all(processes, timeout)
+        if err is None:
+            failed += 1
+            print(f"  {mode}: a job did not end within {timeout:g} s (killed)", flush=True)
+            continue
         seconds.append(time.monotonic() - start)
         returncode = next((p.returncode for p in processes if p.returncode), 0)
         if returncode != 0:

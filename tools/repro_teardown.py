@@ -29,13 +29,14 @@ group.
 import argparse
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bounded_wait import wait_all
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,17 +100,11 @@ def run_many(mode, lesson, runs, timeout, crash):
         with tempfile.TemporaryDirectory() as out_dir:
             start = time.monotonic()
             processes = start_run(mode, lesson, crash, out_dir)
-            try:
-                err = "".join(process.communicate(
-                    timeout=max(1, timeout - (time.monotonic() - start)))[1]
-                    for process in processes)
-            except subprocess.TimeoutExpired:
-                for process in processes:
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.communicate()
-                hung += 1
-                print(f"  {mode}: a run did not end within {timeout:g} s (killed)", flush=True)
-                continue
+            err = wait_all(processes, timeout)
+        if err is None:
+            hung += 1
+            print(f"  {mode}: a run did not end within {timeout:g} s (killed)", flush=True)
+            continue
         seconds.append(time.monotonic() - start)
         returncode = next((p.returncode for p in processes if p.returncode), 0)
         aborted = "terminate called" in err or "SIGABRT" in err
