@@ -86,6 +86,27 @@ def guard_rails(lesson):
     return text[start:min(end for end in ends if end >= 0)].rstrip("# -\n")
 
 
+def own_guard_rails(lesson):
+    """{name: source} of the functions in a lesson's own guard rails, after the shared ones."""
+    text = (ROOT / lesson / "train.py").read_text()
+    start = text.find("# Guard rails of this lesson")
+    if start < 0:
+        return {}
+    section = text[start:text.index("\ndef parse_args(", start)]
+    return {chunk.split("(", 1)[0]: chunk.rstrip() for chunk in section.split("\ndef ")[1:]}
+
+
+def test_a_guard_rail_that_lessons_share_is_the_same_in_each():
+    # Lessons 04 and 07 both need restart_store for torchrun's restarts: a fix made in one copy
+    # and not in the other fails here.
+    seen = {}
+    for lesson in sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py")):
+        for name, source in own_guard_rails(lesson).items():
+            first_lesson, first_source = seen.setdefault(name, (lesson, source))
+            assert source == first_source, f"{name} differs between {first_lesson} and {lesson}"
+    assert "restart_store" in seen
+
+
 def test_guard_rails_are_worded_the_same_in_every_lesson():
     # The diff from lesson 02 to 03, 04, 05, 06 and 07 then shows only what each lesson teaches; the
     # section is new in 02 alone (01 has its part that needs no ranks).
