@@ -14,7 +14,6 @@ Run it:
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -24,6 +23,8 @@ from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from guard_rails import check_args, fail, start
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,72 +207,6 @@ def main(args):
         json.dump(metrics, f, indent=2)
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
-
-
-# =============================================================================================
-# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
-# a hang. The lesson is above; this section is worded the same in every lesson.
-# =============================================================================================
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
-def check_args(args):
-    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
-    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
-                 "crash_at_epoch"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    for name in ("lr", "timeout"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
-            fail(f"--{name} must be positive (got {value:g})")
-    return args
-
-
-def started_by_torchrun():
-    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
-    # it starts.
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def check_launcher(torchrun_ok):
-    """Name the right command when a launcher the lesson is not written for started it."""
-    if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04, 05 "
-             f"and 07; start it with: python {sys.argv[0]}")
-
-
-def check_out_dir(path):
-    """--out-dir must be a folder this process can write to, or become one."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
-    if not os.access(path, os.W_OK | os.X_OK):
-        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
-
-
-def start(entry, parse, torchrun_ok):
-    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
-    try:
-        check_launcher(torchrun_ok)
-        args = parse()
-        check_out_dir(args.out_dir)
-        entry(args)
-    except SystemExit as stop:
-        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
-        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
-            sys.exit(1)
-        raise
-    except KeyboardInterrupt:
-        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
-        print("error: interrupted (Ctrl-C); the run stopped before it finished", file=sys.stderr)
-        sys.exit(130)
 
 
 def parse_args(argv=None):

@@ -18,14 +18,10 @@ Run it:
 """
 
 import argparse
-import contextlib
 import datetime
-import hashlib
-import io
 import json
 import os
 import socket
-import sys
 import time
 
 import torch
@@ -36,6 +32,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+
+from guard_rails import (
+    check_args,
+    check_master_port,
+    check_snapshot,
+    decided_by_rank_0,
+    fail,
+    rank_guard,
+    read_same_snapshot,
+    restart_store,
+    run_settings,
+    spawn_guard,
+    start,
+    started_by_torchrun,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +265,13 @@ class Trainer:
 
     def load_snapshot(self, expected):
         # Every rank loads the same file, so the copies stay identical, as DDP requires.
-        snapshot = load_same_snapshot(self.snapshot_path, expected, self.device)
+        # (rank 0 chose it, and every rank checked that it sees that very file).
+        snapshot_file = read_same_snapshot(self.snapshot_path, expected)
+        # map_location: the tensors were saved from global rank 0's device, so the file says
+        # cuda:0. Without it, every rank would load its copy onto cuda:0, crowding that GPU; with
+        # it, rank r's copy goes to its own cuda:r (or the CPU). weights_only=True loads tensors
+        # and plain containers only: a file that tries to build other objects is refused.
+        snapshot = torch.load(snapshot_file, map_location=self.device, weights_only=True)
         self.model.module.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.epochs_completed = snapshot["epochs_completed"]
@@ -313,7 +330,8 @@ def main(rank, local_rank, args):
     # decides whether to resume, and from which epoch, and tells the others: ranks deciding on
     # their own could start at different epochs (a node with no copy, or an old one) and then
     # wait for each other forever. Each rank then loads that file onto its own device.
-    expected = decided_by_rank_0(rank, check_snapshot, trainer.snapshot_path, args)
+    expected = decided_by_rank_0(rank, check_snapshot, trainer.snapshot_path, args,
+                                WineMLP)
     resumed = expected is not None
     if resumed:
         snapshot = trainer.load_snapshot(expected)
@@ -377,7 +395,7 @@ def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
     # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
     rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
-    with rank_guard(rank, args):  # a failure becomes one line; see the guard rails below
+    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
         main(rank, local_rank, args)
         dist.destroy_process_group()
 
@@ -400,7 +418,7 @@ def launch(args):
     args.launcher = "spawn"
     args.backend = choose_backend(args.backend, args.world_size)
     # Checked here, once, before any rank starts: a snapshot that cannot be resumed is one line.
-    check_snapshot(os.path.join(args.out_dir, "snapshot.pt"), args)
+    check_snapshot(os.path.join(args.out_dir, "snapshot.pt"), args, WineMLP)
     # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
     # loopback address; a port set in the environment wins, else any free one.
     check_master_port()
@@ -413,331 +431,6 @@ def launch(args):
     # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
     with spawn_guard("rank", ". Run the same command again to resume from the last snapshot"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
-
-
-# =============================================================================================
-# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
-# a hang. The lesson is above; this section is worded the same in every lesson.
-# =============================================================================================
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
-def check_args(args):
-    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
-    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
-                 "crash_at_epoch"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    for name in ("lr", "timeout"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
-            fail(f"--{name} must be positive (got {value:g})")
-    return args
-
-
-def started_by_torchrun():
-    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
-    # it starts.
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def check_launcher(torchrun_ok):
-    """Name the right command when a launcher the lesson is not written for started it."""
-    if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04, 05 "
-             f"and 07; start it with: python {sys.argv[0]}")
-
-
-def check_out_dir(path):
-    """--out-dir must be a folder this process can write to, or become one."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
-    if not os.access(path, os.W_OK | os.X_OK):
-        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
-
-
-def start(entry, parse, torchrun_ok):
-    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
-    try:
-        check_launcher(torchrun_ok)
-        args = parse()
-        check_out_dir(args.out_dir)
-        entry(args)
-    except SystemExit as stop:
-        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
-        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
-            sys.exit(1)
-        raise
-    except KeyboardInterrupt:
-        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
-        # The terminal sent it to the ranks too, and they stop; any still running is stopped
-        # here, so that none is left behind.
-        for child in mp.active_children():
-            child.terminate()
-            child.join(timeout=10)
-        if not started_by_torchrun() or os.environ.get("RANK") == "0":
-            print("error: interrupted (Ctrl-C); the run stopped before it finished",
-                  file=sys.stderr)
-        sys.exit(130)
-
-
-def port_in_use(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
-        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
-def check_master_port():
-    """A MASTER_PORT set in the environment must be a port number that nothing listens on."""
-    port = os.environ.get("MASTER_PORT")
-    if port is None:
-        return
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
-    if port_in_use(int(port)):
-        fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
-             "(export MASTER_PORT=29501) or unset it to use a free port")
-
-
-@contextlib.contextmanager
-def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
-               lost_fix="another rank stopped, or stalled longer than --timeout; its output "
-                        "says which"):
-    """Around one rank's work: ranks that do not meet, or lose each other, end with one line
-    each, and Ctrl-C quietly; the rank leaves the process group however it ends, and its
-    process through leave_process, except for a failure of its own under mp.spawn, which goes
-    on up to spawn (spawn shows its traceback and names the rank)."""
-    code = 0
-    try:
-        yield
-    except KeyboardInterrupt:
-        code = 130  # Ctrl-C reached every process: the launcher says so, once
-    except SystemExit as stop:
-        # This rank stopped with its own line (sys.exit), which Python would print on its way
-        # out: printed here instead (under torchrun, rank 0's alone, as start() does).
-        code = 1 if isinstance(stop.code, str) else stop.code or 0
-        if isinstance(stop.code, str) and not (started_by_torchrun() and rank != 0):
-            print(stop.code, file=sys.stderr)
-    except Exception as error:
-        code = 1
-        if is_lost_contact(error):
-            # Printed here, not by fail(): each rank has its own story, and under torchrun
-            # start() keeps only rank 0's copy of the lines that every rank shares.
-            print(f"error: {lost_contact_line(error, rank, args, meet_fix, lost_fix)}",
-                  file=sys.stderr)
-        elif started_by_torchrun():
-            # This rank's own failure, with its traceback as Python would print it on its way
-            # out (torch puts [rankN] before each line); then the rank leaves with exit code 1.
-            sys.excepthook(type(error), error, error.__traceback__)
-        else:
-            raise  # this rank's own failure: spawn shows its traceback and names the rank
-    finally:
-        # Also when training fails, so this rank does not leave its peers hanging.
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_process(code)  # the work ended well (0), or with its one line (1) or Ctrl-C (130)
-
-
-def lost_contact_line(error, rank, args, meet_fix, lost_fix):
-    """What a rank that lost the others says: gloo's or the store's first line, without its
-    source location and advice, and what to do."""
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
-    if not dist.is_initialized():
-        return (f"rank {rank}: not all {args.world_size} ranks met at "
-                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                f"{args.timeout:g} s ({reason}); {meet_fix}")
-    return f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}"
-
-
-def leave_process(code=0):
-    """The teardown workaround: a rank whose work is done and written, or that has said why it
-    stopped, leaves at once with that exit code.
-
-    With torch 2.14, gloo's threads can outlive destroy_process_group, and Python tearing down
-    the interpreter under them sometimes aborts the rank ("terminate called without an active
-    exception"): a job whose results are on disk fails, and a rank that printed its one-line
-    error or its traceback dies with exit code -6, so the launcher adds a second, wrong line
-    (torchrun: "Signal 6 (SIGABRT)"). Seen in lesson 07 (ZeRO-1) about 1 run in 25, after "lost
-    contact" in lesson 03, and in about 1 torchrun run in 10 where a rank raised;
-    `python tools/repro_teardown.py --lesson 07_sharding` counts it with and without this
-    function, and with --crash for a rank that raises under torchrun. Upstream:
-    pytorch/pytorch#190489 and the abandoned pytorch/pytorch#179291 (gloo work that outlives
-    the interpreter)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def is_lost_contact(error):
-    """Whether error says that the other ranks did not come, went away or stalled: the store's
-    and the network's errors, or a backend's (gloo, NCCL) whose text says so. Any other backend
-    error, such as NCCL's "Duplicate GPU detected", is this rank's own and keeps its traceback.
-    In backward, autograd hands on gloo's error as a plain RuntimeError, hence the look at the
-    text."""
-    if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)):
-        return True
-    signs = ("connection reset by peer", "connection closed by peer", "connection refused",
-             "timed out", "timeout", "broken pipe", "remote process exited", "network error")
-    return isinstance(error, RuntimeError) and any(sign in str(error).lower() for sign in signs)
-
-
-@contextlib.contextmanager
-def spawn_guard(what, then=""):
-    """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
-    of spawn's), and the job ends; spawn has already stopped the other ranks."""
-    try:
-        yield
-    except mp.ProcessRaisedException as error:
-        print(error, file=sys.stderr)
-        fail(f"{what} {error.error_index} failed (its traceback is above); the other {what}s "
-             f"were stopped{then}")
-    except mp.ProcessExitedException as error:
-        if error.exit_code == 130:
-            raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
-        if error.exit_code == 1:
-            sys.exit(1)  # the rank stopped with its own one-line error, printed above
-        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
-             f"of memory?); the other {what}s were stopped{then}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Guard rails of this lesson: a snapshot that cannot continue this run, or that some rank
-# cannot see, and the store torchrun's restarts need
-# ---------------------------------------------------------------------------------------------
-SNAPSHOT_KEYS = ("model", "optimizer", "epochs_completed", "train_loss", "world_size",
-                 "settings")
-
-
-def run_settings(args):
-    """The flags that define a run: a snapshot continues only a run with the same ones. The
-    number of ranks may change (see main); --epochs may grow; the others change no result."""
-    return {"lr": args.lr, "seed": args.seed, "batch-size": args.batch_size}
-
-
-def check_snapshot(path, args):
-    """None if there is no snapshot at path; else what every rank must find there (epochs
-    done, world size, the file's SHA-256). Stops with one line if it cannot be resumed."""
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        # weights_only=True loads tensors and plain containers only: a file that tries to
-        # build other objects is refused, so a snapshot from elsewhere cannot run code.
-        snapshot = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:  # a damaged file raises one of several types, torch's or pickle's
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        fail(f"{path} cannot be loaded ({type(error).__name__}: {reason[:150]}); it is damaged "
-             "or not a snapshot: restore a good copy, or delete it to train from scratch")
-    missing = [key for key in SNAPSHOT_KEYS
-               if not isinstance(snapshot, dict) or key not in snapshot]
-    if missing:
-        fail(f"{path} is not a snapshot of this lesson (no {', '.join(missing)}); delete it or "
-             "choose another --out-dir")
-    if snapshot["epochs_completed"] > args.epochs:
-        fail(f"{path} has {snapshot['epochs_completed']} epochs done, more than --epochs "
-             f"{args.epochs}; ask for at least {snapshot['epochs_completed']} or choose another "
-             "--out-dir")
-    try:
-        WineMLP().load_state_dict(snapshot["model"])  # the same layers with the same shapes?
-    except RuntimeError as error:
-        fail(f"{path} holds a different model ({str(error).splitlines()[-1].strip()[:150]}); "
-             "delete it or choose another --out-dir")
-    for flag, value in run_settings(args).items():
-        saved = snapshot["settings"].get(flag)
-        if saved != value:
-            fail(f"--{flag} {value} differs from the run in {path}, which used --{flag} "
-                 f"{saved}; resume it with --{flag} {saved}, or start a new run with another "
-                 "--out-dir")
-    return {"epochs_completed": snapshot["epochs_completed"],
-            "world_size": snapshot["world_size"], "sha256": hashlib.sha256(data).hexdigest()}
-
-
-def decided_by_rank_0(rank, decide, *decide_args):
-    """decide(*decide_args) on rank 0 alone, its answer handed to every rank. If rank 0 stops
-    with an error, it says so once and every rank ends, none left waiting for it."""
-    answer = [None]
-    if rank == 0:
-        try:
-            answer = [("go", decide(*decide_args))]
-        except SystemExit as stop:
-            answer = [("stop", stop.code)]
-    dist.broadcast_object_list(answer, src=0)
-    verdict, value = answer[0]
-    if verdict == "stop":
-        sys.exit(value if rank == 0 else 1)
-    return value
-
-
-def load_same_snapshot(path, expected, device):
-    """Load the snapshot rank 0 decided on, onto this rank's device, after every rank has
-    checked that it sees that very file; else the job stops with one line, not a hang."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-        seen = hashlib.sha256(data).hexdigest()
-    except OSError as error:
-        data, seen = None, f"cannot read {path} ({error.strerror})"
-    views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (socket.gethostname(), seen))
-    for other, (host, other_seen) in enumerate(views):
-        if other_seen != expected["sha256"]:
-            what = (other_seen if other_seen.startswith("cannot read") else
-                    f"sees another version of {path}")
-            sys.exit(f"error: rank {other} (host {host}) {what}, the snapshot that rank 0 "
-                     f"resumes from at epoch {expected['epochs_completed'] + 1}; every rank must "
-                     "see the same --out-dir, on a filesystem shared by all nodes"
-                     if dist.get_rank() == 0 else 1)
-    # map_location: the tensors were saved from global rank 0's device, so the file says
-    # cuda:0. Without it, every rank would load its copy onto cuda:0, crowding that GPU; with
-    # it, rank r's copy goes to its own cuda:r (or the CPU). weights_only=True, as above.
-    return torch.load(io.BytesIO(data), map_location=device, weights_only=True)
-
-
-def restart_store(rank, world_size, timeout):
-    """None (init_process_group builds the store from MASTER_ADDR and MASTER_PORT), except in a
-    torchrun restart that shares its agent's store: then that store, with a prefix per attempt.
-
-    torchrun's agent hosts one store for the whole job, across restarts (--standalone and the
-    c10d rendezvous, torch 2.4 to 2.14), and hands it to every attempt. The ranks of a
-    restarted attempt would find the keys of the failed one in it, such as the addresses of
-    ranks that are gone, and fail ("Connection refused") or hang. A prefix per attempt keeps
-    each attempt's keys its own. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
-    environment, PyTorch's own switch, every attempt gets a fresh store and this returns None.
-    On several nodes with the c10d rendezvous only the switch works: torchrun also restarts a
-    node's ranks when another node's failed, without counting it, so the nodes' counts and
-    prefixes can differ, and the restarted ranks wait --timeout for each other; rank 0 says so
-    when such a job starts. tools/repro_agent_store.py reproduces both (--nodes 2); upstream:
-    pytorch/pytorch#135712."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    if (shared and nodes > 1 and attempt == 0 and rank == 0
-            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
-        print(f"note: torchrun may restart these ranks on {nodes} nodes, with one store for "
-              "every attempt; with the c10d rendezvous, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-              "for torchrun on every node, or a restart can wait --timeout for ranks that never "
-              "come (pytorch/pytorch#135712)", flush=True)
-    if attempt == 0 or not shared:
-        return None
-    return dist.PrefixStore(
-        f"attempt_{attempt}",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                      is_master=False, timeout=datetime.timedelta(seconds=timeout)))
 
 
 def parse_args(argv=None):

@@ -17,12 +17,10 @@ Run it:
 """
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import socket
-import sys
 import time
 
 import torch
@@ -33,6 +31,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+
+from guard_rails import (
+    check_args,
+    check_master_port,
+    fail,
+    rank_guard,
+    spawn_guard,
+    start,
+    started_by_torchrun,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +354,7 @@ def main(rank, args):
 
 def worker(rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
-    with rank_guard(rank, args):  # a failure becomes one line; see the guard rails below
+    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
         main(rank, args)
         dist.destroy_process_group()
 
@@ -382,205 +390,6 @@ def launch(args):
     # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
     with spawn_guard("rank"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
-
-
-# =============================================================================================
-# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
-# a hang. The lesson is above; this section is worded the same in every lesson.
-# =============================================================================================
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
-def check_args(args):
-    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
-    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
-                 "crash_at_epoch"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    for name in ("lr", "timeout"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
-            fail(f"--{name} must be positive (got {value:g})")
-    return args
-
-
-def started_by_torchrun():
-    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
-    # it starts.
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def check_launcher(torchrun_ok):
-    """Name the right command when a launcher the lesson is not written for started it."""
-    if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04, 05 "
-             f"and 07; start it with: python {sys.argv[0]}")
-
-
-def check_out_dir(path):
-    """--out-dir must be a folder this process can write to, or become one."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
-    if not os.access(path, os.W_OK | os.X_OK):
-        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
-
-
-def start(entry, parse, torchrun_ok):
-    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
-    try:
-        check_launcher(torchrun_ok)
-        args = parse()
-        check_out_dir(args.out_dir)
-        entry(args)
-    except SystemExit as stop:
-        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
-        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
-            sys.exit(1)
-        raise
-    except KeyboardInterrupt:
-        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
-        # The terminal sent it to the ranks too, and they stop; any still running is stopped
-        # here, so that none is left behind.
-        for child in mp.active_children():
-            child.terminate()
-            child.join(timeout=10)
-        if not started_by_torchrun() or os.environ.get("RANK") == "0":
-            print("error: interrupted (Ctrl-C); the run stopped before it finished",
-                  file=sys.stderr)
-        sys.exit(130)
-
-
-def port_in_use(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
-        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
-def check_master_port():
-    """A MASTER_PORT set in the environment must be a port number that nothing listens on."""
-    port = os.environ.get("MASTER_PORT")
-    if port is None:
-        return
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
-    if port_in_use(int(port)):
-        fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
-             "(export MASTER_PORT=29501) or unset it to use a free port")
-
-
-@contextlib.contextmanager
-def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
-               lost_fix="another rank stopped, or stalled longer than --timeout; its output "
-                        "says which"):
-    """Around one rank's work: ranks that do not meet, or lose each other, end with one line
-    each, and Ctrl-C quietly; the rank leaves the process group however it ends, and its
-    process through leave_process, except for a failure of its own under mp.spawn, which goes
-    on up to spawn (spawn shows its traceback and names the rank)."""
-    code = 0
-    try:
-        yield
-    except KeyboardInterrupt:
-        code = 130  # Ctrl-C reached every process: the launcher says so, once
-    except SystemExit as stop:
-        # This rank stopped with its own line (sys.exit), which Python would print on its way
-        # out: printed here instead (under torchrun, rank 0's alone, as start() does).
-        code = 1 if isinstance(stop.code, str) else stop.code or 0
-        if isinstance(stop.code, str) and not (started_by_torchrun() and rank != 0):
-            print(stop.code, file=sys.stderr)
-    except Exception as error:
-        code = 1
-        if is_lost_contact(error):
-            # Printed here, not by fail(): each rank has its own story, and under torchrun
-            # start() keeps only rank 0's copy of the lines that every rank shares.
-            print(f"error: {lost_contact_line(error, rank, args, meet_fix, lost_fix)}",
-                  file=sys.stderr)
-        elif started_by_torchrun():
-            # This rank's own failure, with its traceback as Python would print it on its way
-            # out (torch puts [rankN] before each line); then the rank leaves with exit code 1.
-            sys.excepthook(type(error), error, error.__traceback__)
-        else:
-            raise  # this rank's own failure: spawn shows its traceback and names the rank
-    finally:
-        # Also when training fails, so this rank does not leave its peers hanging.
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_process(code)  # the work ended well (0), or with its one line (1) or Ctrl-C (130)
-
-
-def lost_contact_line(error, rank, args, meet_fix, lost_fix):
-    """What a rank that lost the others says: gloo's or the store's first line, without its
-    source location and advice, and what to do."""
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
-    if not dist.is_initialized():
-        return (f"rank {rank}: not all {args.world_size} ranks met at "
-                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                f"{args.timeout:g} s ({reason}); {meet_fix}")
-    return f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}"
-
-
-def leave_process(code=0):
-    """The teardown workaround: a rank whose work is done and written, or that has said why it
-    stopped, leaves at once with that exit code.
-
-    With torch 2.14, gloo's threads can outlive destroy_process_group, and Python tearing down
-    the interpreter under them sometimes aborts the rank ("terminate called without an active
-    exception"): a job whose results are on disk fails, and a rank that printed its one-line
-    error or its traceback dies with exit code -6, so the launcher adds a second, wrong line
-    (torchrun: "Signal 6 (SIGABRT)"). Seen in lesson 07 (ZeRO-1) about 1 run in 25, after "lost
-    contact" in lesson 03, and in about 1 torchrun run in 10 where a rank raised;
-    `python tools/repro_teardown.py --lesson 07_sharding` counts it with and without this
-    function, and with --crash for a rank that raises under torchrun. Upstream:
-    pytorch/pytorch#190489 and the abandoned pytorch/pytorch#179291 (gloo work that outlives
-    the interpreter)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def is_lost_contact(error):
-    """Whether error says that the other ranks did not come, went away or stalled: the store's
-    and the network's errors, or a backend's (gloo, NCCL) whose text says so. Any other backend
-    error, such as NCCL's "Duplicate GPU detected", is this rank's own and keeps its traceback.
-    In backward, autograd hands on gloo's error as a plain RuntimeError, hence the look at the
-    text."""
-    if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)):
-        return True
-    signs = ("connection reset by peer", "connection closed by peer", "connection refused",
-             "timed out", "timeout", "broken pipe", "remote process exited", "network error")
-    return isinstance(error, RuntimeError) and any(sign in str(error).lower() for sign in signs)
-
-
-@contextlib.contextmanager
-def spawn_guard(what, then=""):
-    """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
-    of spawn's), and the job ends; spawn has already stopped the other ranks."""
-    try:
-        yield
-    except mp.ProcessRaisedException as error:
-        print(error, file=sys.stderr)
-        fail(f"{what} {error.error_index} failed (its traceback is above); the other {what}s "
-             f"were stopped{then}")
-    except mp.ProcessExitedException as error:
-        if error.exit_code == 130:
-            raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
-        if error.exit_code == 1:
-            sys.exit(1)  # the rank stopped with its own one-line error, printed above
-        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
-             f"of memory?); the other {what}s were stopped{then}")
 
 
 def parse_args(argv=None):

@@ -21,12 +21,10 @@ Run it:
 """
 
 import argparse
-import contextlib
 import datetime
 import glob
 import json
 import os
-import resource
 import shutil
 import socket
 import sys
@@ -52,6 +50,19 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+
+from guard_rails import (
+    agree_on_checkpoint,
+    check_args,
+    check_master_port,
+    check_sharding,
+    fail,
+    rank_guard,
+    restart_store,
+    spawn_guard,
+    start,
+    started_by_torchrun,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +132,10 @@ def peak_memory_bytes(device):
     the CPU, the process's peak resident memory (Python and torch's libraries included)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    if sys.platform == "win32":
+        return -1  # Windows has no getrusage: the table says n/a
+    import resource  # Unix and macOS only: imported here, so the lesson starts on Windows
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
 
@@ -399,8 +414,8 @@ def main(rank, local_rank, args):
     # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
     # Rank 0 picks it and tells the others, so that every rank loads the same one; every rank
     # reads its shards from that folder, so it must see it too, also on another node (see
-    # agree_on_checkpoint in the guard rails).
-    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir)
+    # agree_on_checkpoint in guard_rails.py).
+    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
     if checkpoint:
         progress = trainer.load_checkpoint(checkpoint)
         if trainer.is_main_process:
@@ -431,7 +446,8 @@ def main(rank, local_rank, args):
     print(f"{'rank':>4} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
           f"{'peak':>12}", flush=True)
     for r, row in enumerate(memory):
-        print(f"{r:>4} " + " ".join(f"{n:>12,}" for n in row), flush=True)
+        print(f"{r:>4} " + " ".join(f"{n:>12,}" if n >= 0 else f"{'n/a':>12}" for n in row),
+              flush=True)
     metrics = {
         "lesson": "07_sharding",
         "strategy": args.strategy,
@@ -468,7 +484,7 @@ def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
     # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
     rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
-    with rank_guard(rank, args):  # a failure becomes one line; see the guard rails below
+    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
         main(rank, local_rank, args)
         dist.destroy_process_group()
 
@@ -484,12 +500,12 @@ def launch(args):
         args.world_size = int(os.environ["WORLD_SIZE"])
         args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
                                       "torchrun's --nproc-per-node")
-        check_sharding(args)
+        check_sharding(args, latest_checkpoint)
         worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
         return
     args.launcher = "spawn"
     args.backend = choose_backend(args.backend, args.world_size)
-    check_sharding(args)  # the width and any checkpoint: see the guard rails
+    check_sharding(args, latest_checkpoint)  # the width and any checkpoint: see the guard rails
     # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
     # loopback address; a port set in the environment wins, else any free one.
     check_master_port()
@@ -503,306 +519,6 @@ def launch(args):
     with spawn_guard("rank", then=". Run the same command again to resume from the last "
                      "checkpoint"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
-
-
-# =============================================================================================
-# Guard rails: what turns a mistake into one line that names the fix, instead of a traceback or
-# a hang. The lesson is above; this section is worded the same in every lesson.
-# =============================================================================================
-def fail(message):
-    """Stop with one line that says what is wrong and how to fix it (no traceback)."""
-    sys.exit(f"error: {message}")
-
-
-def check_args(args):
-    """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
-    for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
-                 "crash_at_epoch"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    for name in ("lr", "timeout"):
-        value = getattr(args, name, None)
-        if value is not None and value <= 0:
-            fail(f"--{name} must be positive (got {value:g})")
-    return args
-
-
-def started_by_torchrun():
-    # torchrun sets TORCHELASTIC_RUN_ID, with RANK, LOCAL_RANK and WORLD_SIZE, in every process
-    # it starts.
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def check_launcher(torchrun_ok):
-    """Name the right command when a launcher the lesson is not written for started it."""
-    if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03, 04, 05 "
-             f"and 07; start it with: python {sys.argv[0]}")
-
-
-def check_out_dir(path):
-    """--out-dir must be a folder this process can write to, or become one."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        fail(f"--out-dir {path} is a file, not a folder; choose another --out-dir")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as error:
-        fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
-    if not os.access(path, os.W_OK | os.X_OK):
-        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
-
-
-def start(entry, parse, torchrun_ok):
-    """Check how the lesson was started, its flags and where it writes, then run entry(args)."""
-    try:
-        check_launcher(torchrun_ok)
-        args = parse()
-        check_out_dir(args.out_dir)
-        entry(args)
-    except SystemExit as stop:
-        # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
-        if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
-            sys.exit(1)
-        raise
-    except KeyboardInterrupt:
-        # Ctrl-C: one line instead of the traceback of wherever the program happened to be.
-        # The terminal sent it to the ranks too, and they stop; any still running is stopped
-        # here, so that none is left behind.
-        for child in mp.active_children():
-            child.terminate()
-            child.join(timeout=10)
-        if not started_by_torchrun() or os.environ.get("RANK") == "0":
-            print("error: interrupted (Ctrl-C); the run stopped before it finished",
-                  file=sys.stderr)
-        sys.exit(130)
-
-
-def port_in_use(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
-        # TIME_WAIT after an earlier run is free; one that a live server listens on is not.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
-def check_master_port():
-    """A MASTER_PORT set in the environment must be a port number that nothing listens on."""
-    port = os.environ.get("MASTER_PORT")
-    if port is None:
-        return
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        fail(f"MASTER_PORT={port} is not a port number; unset it to use a free port")
-    if port_in_use(int(port)):
-        fail(f"MASTER_PORT={port} is already in use on this machine; choose another "
-             "(export MASTER_PORT=29501) or unset it to use a free port")
-
-
-@contextlib.contextmanager
-def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very busy",
-               lost_fix="another rank stopped, or stalled longer than --timeout; its output "
-                        "says which"):
-    """Around one rank's work: ranks that do not meet, or lose each other, end with one line
-    each, and Ctrl-C quietly; the rank leaves the process group however it ends, and its
-    process through leave_process, except for a failure of its own under mp.spawn, which goes
-    on up to spawn (spawn shows its traceback and names the rank)."""
-    code = 0
-    try:
-        yield
-    except KeyboardInterrupt:
-        code = 130  # Ctrl-C reached every process: the launcher says so, once
-    except SystemExit as stop:
-        # This rank stopped with its own line (sys.exit), which Python would print on its way
-        # out: printed here instead (under torchrun, rank 0's alone, as start() does).
-        code = 1 if isinstance(stop.code, str) else stop.code or 0
-        if isinstance(stop.code, str) and not (started_by_torchrun() and rank != 0):
-            print(stop.code, file=sys.stderr)
-    except Exception as error:
-        code = 1
-        if is_lost_contact(error):
-            # Printed here, not by fail(): each rank has its own story, and under torchrun
-            # start() keeps only rank 0's copy of the lines that every rank shares.
-            print(f"error: {lost_contact_line(error, rank, args, meet_fix, lost_fix)}",
-                  file=sys.stderr)
-        elif started_by_torchrun():
-            # This rank's own failure, with its traceback as Python would print it on its way
-            # out (torch puts [rankN] before each line); then the rank leaves with exit code 1.
-            sys.excepthook(type(error), error, error.__traceback__)
-        else:
-            raise  # this rank's own failure: spawn shows its traceback and names the rank
-    finally:
-        # Also when training fails, so this rank does not leave its peers hanging.
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    leave_process(code)  # the work ended well (0), or with its one line (1) or Ctrl-C (130)
-
-
-def lost_contact_line(error, rank, args, meet_fix, lost_fix):
-    """What a rank that lost the others says: gloo's or the store's first line, without its
-    source location and advice, and what to do."""
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    reason = reason.split("] ", 1)[-1].split(". ")[0][:160]
-    if not dist.is_initialized():
-        return (f"rank {rank}: not all {args.world_size} ranks met at "
-                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                f"{args.timeout:g} s ({reason}); {meet_fix}")
-    return f"rank {rank} lost contact with the other ranks ({reason}); {lost_fix}"
-
-
-def leave_process(code=0):
-    """The teardown workaround: a rank whose work is done and written, or that has said why it
-    stopped, leaves at once with that exit code.
-
-    With torch 2.14, gloo's threads can outlive destroy_process_group, and Python tearing down
-    the interpreter under them sometimes aborts the rank ("terminate called without an active
-    exception"): a job whose results are on disk fails, and a rank that printed its one-line
-    error or its traceback dies with exit code -6, so the launcher adds a second, wrong line
-    (torchrun: "Signal 6 (SIGABRT)"). Seen in lesson 07 (ZeRO-1) about 1 run in 25, after "lost
-    contact" in lesson 03, and in about 1 torchrun run in 10 where a rank raised;
-    `python tools/repro_teardown.py --lesson 07_sharding` counts it with and without this
-    function, and with --crash for a rank that raises under torchrun. Upstream:
-    pytorch/pytorch#190489 and the abandoned pytorch/pytorch#179291 (gloo work that outlives
-    the interpreter)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def is_lost_contact(error):
-    """Whether error says that the other ranks did not come, went away or stalled: the store's
-    and the network's errors, or a backend's (gloo, NCCL) whose text says so. Any other backend
-    error, such as NCCL's "Duplicate GPU detected", is this rank's own and keeps its traceback.
-    In backward, autograd hands on gloo's error as a plain RuntimeError, hence the look at the
-    text."""
-    if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)):
-        return True
-    signs = ("connection reset by peer", "connection closed by peer", "connection refused",
-             "timed out", "timeout", "broken pipe", "remote process exited", "network error")
-    return isinstance(error, RuntimeError) and any(sign in str(error).lower() for sign in signs)
-
-
-@contextlib.contextmanager
-def spawn_guard(what, then=""):
-    """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
-    of spawn's), and the job ends; spawn has already stopped the other ranks."""
-    try:
-        yield
-    except mp.ProcessRaisedException as error:
-        print(error, file=sys.stderr)
-        fail(f"{what} {error.error_index} failed (its traceback is above); the other {what}s "
-             f"were stopped{then}")
-    except mp.ProcessExitedException as error:
-        if error.exit_code == 130:
-            raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
-        if error.exit_code == 1:
-            sys.exit(1)  # the rank stopped with its own one-line error, printed above
-        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
-             f"of memory?); the other {what}s were stopped{then}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Guard rails of this lesson: a width or a checkpoint that cannot continue this run, a checkpoint
-# folder that some rank cannot see, and the store torchrun's restarts need
-# ---------------------------------------------------------------------------------------------
-def check_sharding(args):
-    """Refuse, before any rank starts, a width or a checkpoint that cannot work."""
-    if args.hidden < 1:
-        fail(f"--hidden must be at least 1 (got {args.hidden})")
-    checkpoint = latest_checkpoint(os.path.join(args.out_dir, "checkpoint"))
-    if checkpoint:
-        check_checkpoint(checkpoint, args)
-
-
-def check_checkpoint(path, args):
-    """Stop with one line if the checkpoint in path cannot go on as this run asks."""
-    try:
-        # DCP's .metadata is a pickle, read with pickle.load (not weights_only): resume only
-        # from checkpoints you or your job wrote. The shards themselves load weights_only.
-        metadata = dcp.FileSystemReader(path).read_metadata()
-        with open(os.path.join(path, "progress.json")) as f:
-            done = json.load(f)["epochs_completed"]
-        hidden = metadata.state_dict_metadata["model.fc1.weight"].size[0]
-    except Exception as error:  # a damaged folder raises one of several types
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        fail(f"{path} cannot be loaded ({type(error).__name__}: {reason[:150]}); it is damaged "
-             "or not a checkpoint of this lesson: delete it or choose another --out-dir")
-    if hidden != args.hidden:
-        fail(f"{path} holds a model with --hidden {hidden}, not {args.hidden}; resume with "
-             f"--hidden {hidden}, or delete it or choose another --out-dir")
-    if done > args.epochs:
-        fail(f"{path} has {done} epochs done, more than --epochs {args.epochs}; ask for at "
-             f"least {done} or choose another --out-dir")
-
-
-def agree_on_checkpoint(rank, checkpoint_dir):
-    """The checkpoint to resume from (None: start afresh), chosen by rank 0 for every rank,
-    once every rank has shown that it sees the folder rank 0 writes to. Else one line from
-    rank 0, and the job stops before it trains.
-
-    Every rank writes its own shards into that folder and reads them all back on resume. On
-    one machine it is one folder; across nodes it is one only on a filesystem they share. On
-    disks of their own, each node would keep its ranks' shards and rank 0 alone .metadata: a
-    checkpoint that no node could load, found only at the resume."""
-    note = os.path.join(checkpoint_dir, ".rank0")
-    choice = [None, None]  # [checkpoint or None, what rank 0 wrote into the note]
-    if rank == 0:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        choice = [latest_checkpoint(checkpoint_dir), f"{socket.gethostname()} {time.time_ns()}"]
-        with open(note, "w") as f:
-            f.write(choice[1])
-    dist.broadcast_object_list(choice, src=0)  # after the write: the others look only now
-    try:
-        with open(note) as f:
-            sees = f.read() == choice[1]
-    except OSError:
-        sees = False
-    views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (socket.gethostname(), sees))
-    if rank == 0:
-        os.remove(note)
-    blind = [f"rank {r} (host {host})" for r, (host, sees) in enumerate(views) if not sees]
-    if blind:
-        sys.exit(f"error: {', '.join(blind)} cannot see {checkpoint_dir}, where rank 0 writes; "
-                 "every rank writes its shards of the checkpoint there and reads them back, so "
-                 "give every node the same --out-dir on a filesystem they all share"
-                 if rank == 0 else 1)
-    return choice[0]
-
-
-def restart_store(rank, world_size, timeout):
-    """None (init_process_group builds the store from MASTER_ADDR and MASTER_PORT), except in a
-    torchrun restart that shares its agent's store: then that store, with a prefix per attempt.
-
-    torchrun's agent hosts one store for the whole job, across restarts (--standalone and the
-    c10d rendezvous, torch 2.4 to 2.14), and hands it to every attempt. The ranks of a
-    restarted attempt would find the keys of the failed one in it, such as the addresses of
-    ranks that are gone, and fail ("Connection refused") or hang. A prefix per attempt keeps
-    each attempt's keys its own. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's
-    environment, PyTorch's own switch, every attempt gets a fresh store and this returns None.
-    On several nodes with the c10d rendezvous only the switch works: torchrun also restarts a
-    node's ranks when another node's failed, without counting it, so the nodes' counts and
-    prefixes can differ, and the restarted ranks wait --timeout for each other; rank 0 says so
-    when such a job starts. tools/repro_agent_store.py reproduces both (--nodes 2); upstream:
-    pytorch/pytorch#135712."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    if (shared and nodes > 1 and attempt == 0 and rank == 0
-            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
-        print(f"note: torchrun may restart these ranks on {nodes} nodes, with one store for "
-              "every attempt; with the c10d rendezvous, set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-              "for torchrun on every node, or a restart can wait --timeout for ranks that never "
-              "come (pytorch/pytorch#135712)", flush=True)
-    if attempt == 0 or not shared:
-        return None
-    return dist.PrefixStore(
-        f"attempt_{attempt}",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                      is_master=False, timeout=datetime.timedelta(seconds=timeout)))
 
 
 def parse_args(argv=None):

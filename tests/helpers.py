@@ -64,10 +64,19 @@ def load_weights(out_dir, name="final.pt"):
 
 def import_lesson(lesson):
     """Import a lesson's train.py as a module (tests may share; lessons may not)."""
+    # train.py imports guard_rails.py from its own folder, as it does when a learner runs it.
+    if str(ROOT / lesson) not in sys.path:
+        sys.path.insert(0, str(ROOT / lesson))
     spec = importlib.util.spec_from_file_location(f"lesson_{lesson}", ROOT / lesson / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def import_guard_rails():
+    """guard_rails.py, the same file beside every lesson's train.py (tests/test_repo.py)."""
+    import_lesson("02_multi_gpu_spawn")
+    return sys.modules["guard_rails"]
 
 
 def evaluate_single_process(out_dir):

@@ -45,6 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 script, patch = sys.argv[1], sys.argv[2]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # where train.py finds guard_rails
 spec = importlib.util.spec_from_file_location("lesson", script)
 lesson = importlib.util.module_from_spec(spec)
 sys.modules["lesson"] = lesson  # so the ranks can unpickle lesson.main

@@ -1,13 +1,14 @@
 """Write each lesson's diff from the lesson it builds on; check that the written ones are current.
 
-    python tools/make_diffs.py          # regenerate every diff file and README block
-    python tools/make_diffs.py --check  # exit 1 if any of them is stale (the test suite runs this)
+    python tools/make_diffs.py          # regenerate every diff file
+    python tools/make_diffs.py --check  # exit 1 if any is stale (the test suite runs this)
 
 Every folder NN_name/ with a train.py is a lesson. Every lesson but the first says in its
 docstring which lesson it builds on ("Lesson 02's program, now ..."), and is diffed against that
 one, with no exceptions: lesson 05 builds on lesson 02, not on 04. The diff goes to
-NN_name/from_<base>.diff and into the lesson README between the two marker lines below, so what
-the learner reads is always what the code does.
+NN_name/from_<base>.diff, which the lesson's README links (code hosts show it in colour) and its
+notebook prints, so what the learner reads is always what the code does. The guard rails live in
+guard_rails.py, the same file in every lesson, so no diff shows them.
 """
 
 import argparse
@@ -15,10 +16,6 @@ import difflib
 import re
 import sys
 from pathlib import Path
-
-BEGIN = "<!-- begin generated diff (tools/make_diffs.py writes this block; do not edit it) -->"
-END = "<!-- end generated diff -->"
-
 
 BASE = re.compile(r"^Lesson (\d\d)'s program", re.MULTILINE)
 
@@ -43,28 +40,18 @@ def lesson_diff(root, previous, lesson):
     return "".join(difflib.unified_diff(old, new, f"{previous}/train.py", f"{lesson}/train.py"))
 
 
-def readme_with_diff(readme_text, diff):
-    before, begin, rest = readme_text.partition(BEGIN)
-    _, end, after = rest.partition(END)
-    if not begin or not end:
-        return None
-    return f"{before}{BEGIN}\n```diff\n{diff}```\n{END}{after}"
-
-
 def expected_files(root):
-    """{path: text} for every generated file, or raise ValueError for a README without markers."""
+    """{path: text} for every generated file, or raise ValueError for a README that does not
+    link its lesson's diff."""
     files = {}
     all_lessons = lessons(root)
     for lesson in all_lessons[1:]:
         previous = base_of(root, lesson, all_lessons)
-        diff = lesson_diff(root, previous, lesson)
-        files[root / lesson / f"from_{previous}.diff"] = diff
+        name = f"from_{previous}.diff"
+        files[root / lesson / name] = lesson_diff(root, previous, lesson)
         readme = root / lesson / "README.md"
-        text = readme.read_text() if readme.exists() else ""
-        new_text = readme_with_diff(text, diff)
-        if new_text is None:
-            raise ValueError(f"{readme.relative_to(root)} needs the lines {BEGIN!r} and {END!r}")
-        files[readme] = new_text
+        if readme.exists() and f"]({name})" not in readme.read_text():
+            raise ValueError(f"{readme.relative_to(root)} must link its diff, as []({name})")
     return files
 
 

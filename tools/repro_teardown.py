@@ -45,6 +45,7 @@ if __name__ in ("__main__", "__mp_main__") and sys.argv[1:2] == ["one-run"]:
     # __mp_main__) in every rank, with the chosen way out of a rank. A word, not a --flag: after
     # the script's name torchrun still reads --run as its own --run-path.
     _, _, MODE, LESSON, CRASH, *LESSON_ARGS = sys.argv
+    sys.path.insert(0, str(ROOT / LESSON))  # where train.py finds guard_rails.py
     spec = importlib.util.spec_from_file_location("lesson", ROOT / LESSON / "train.py")
     lesson = importlib.util.module_from_spec(spec)
     sys.modules["lesson"] = lesson  # so that the ranks can unpickle lesson.worker
@@ -54,7 +55,8 @@ if __name__ in ("__main__", "__mp_main__") and sys.argv[1:2] == ["one-run"]:
             if code:
                 sys.exit(code)  # return to the interpreter, which tears itself down
 
-        lesson.leave_process = leave_as_python_does  # rank_guard looks the name up at the end
+        # rank_guard looks the name up in its own module at the end
+        sys.modules["guard_rails"].leave_process = leave_as_python_does
     if CRASH == "crash":
         train_epoch = lesson.Trainer.train_epoch
 
