@@ -18,9 +18,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_wine
-from sklearn.model_selection import train_test_split
-from sklearn.preprocessing import StandardScaler
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -70,6 +67,12 @@ class WineDataset(Dataset):
 
 def load_data():
     """The same 142 training and 36 test wines in every lesson."""
+    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
+    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
+    from sklearn.datasets import load_wine
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
     features, labels = load_wine(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(
         features, labels, test_size=0.2, random_state=42, stratify=labels
@@ -191,7 +194,7 @@ def main(args):
         "lesson": "01_single_gpu",
         "world_size": 1,
         "backend": None,
-        "device": str(device),
+        "device": device.type,
         "epochs": args.epochs,
         "batch_size": args.batch_size,
         "lr": args.lr,

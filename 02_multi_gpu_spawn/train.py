@@ -1,15 +1,11 @@
 """Lesson 02: distributed data-parallel training on one machine, started with mp.spawn.
 
-Lesson 01's program, now run by several processes ("ranks") at once. Each rank trains on its own
-slice of the data (DistributedSampler); DistributedDataParallel (DDP) averages the gradients across
-ranks after every backward pass, so all ranks take the same step and keep identical weights. With
-GPUs, each rank owns one GPU and talks over NCCL; without, the ranks share the CPU over gloo.
+Lesson 01's program, run by several processes ("ranks") that each train on a slice of the data;
+DistributedDataParallel (DDP) averages their gradients, so every rank takes the same step.
 
 Run it:
-    python 02_multi_gpu_spawn/train.py                          # every GPU, or 2 CPU processes
-    python 02_multi_gpu_spawn/train.py --world-size 4           # 4 CPU processes on a laptop
-    python 02_multi_gpu_spawn/train.py --backend gloo           # force the CPU even with GPUs
-    CUDA_VISIBLE_DEVICES=0,1 python 02_multi_gpu_spawn/train.py # the first two GPUs, NCCL
+    python 02_multi_gpu_spawn/train.py                  # one rank per GPU, or 2 CPU ranks
+    python 02_multi_gpu_spawn/train.py --world-size 4   # 4 ranks; on the CPU if not 4 GPUs
 """
 
 import argparse
@@ -53,30 +49,23 @@ def choose_backend(requested, world_size):
 
 
 def find_free_port():
-    # Port 0 asks the operating system for any free port. Two jobs started at the same moment
-    # get different ports, where a fixed default such as 29500 would make the second one fail.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
         return sock.getsockname()[1]
 
 
 def setup_process_group(rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
     if backend == "nccl":
-        # Pin this process to its own GPU before anything touches CUDA. Without it every rank
-        # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
-        # The ranks share the machine's cores: give each its share of threads, or they all
-        # start one thread per core and spend their time fighting over them.
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, cores // world_size))
         device = torch.device("cpu")
-    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens. The
-    # timeout bounds the wait for the other ranks here, and every collective after it: a rank
-    # that never arrives ends the job with an error instead of a silent hang (the default is
-    # 10 minutes for NCCL, 30 for gloo).
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
@@ -108,8 +97,8 @@ class WineDataset(Dataset):
 
 def load_data():
     """The same 142 training and 36 test wines in every lesson."""
-    # Imported here rather than at the top: only the ranks load data, so the launching process
-    # skips scikit-learn's import (about a second on a laptop) before it starts them.
+    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
+    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
     from sklearn.datasets import load_wine
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
@@ -127,12 +116,9 @@ def load_data():
 
 
 def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # DistributedSampler deals each rank a disjoint slice of a seeded permutation, the same
-    # permutation on every rank. If the data does not split evenly it repeats a few samples so
-    # that every rank runs the same number of steps (a rank with one step fewer would leave the
-    # others waiting forever in the gradient all-reduce). It shuffles, so the DataLoader doesn't.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed)
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
@@ -167,23 +153,20 @@ class Trainer:
         self.out_dir = out_dir
         self.rank = rank
         self.world_size = world_size
-        # One flag gates printing and file writes, so N ranks don't print N copies.
-        self.is_main_process = rank == 0
+        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
 
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(features), labels)
-        # DDP's backward also all-reduces the gradients and divides them by world_size: the
-        # average of the ranks' batch-mean gradients is the gradient of the global batch, so
-        # every rank takes the step one process with world_size times the batch would take.
+        # In backward, DDP all-reduces the gradients and divides by world_size: the mean of the
+        # ranks' batch means is the global batch's mean gradient, the same step on every rank.
         loss.backward()
         self.optimizer.step()
         return loss.detach()
 
     def train_epoch(self, epoch):
         self.model.train()
-        # Reseed the sampler's shuffle, or every epoch deals the same samples in the same order.
-        self.train_loader.sampler.set_epoch(epoch)
+        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
         totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
         for features, labels in self.train_loader:
             features, labels = features.to(self.device), labels.to(self.device)
@@ -191,29 +174,24 @@ class Trainer:
             # mean is over samples, even when the last batch is smaller.
             totals[0] += self.train_step(features, labels) * len(labels)
             totals[1] += len(labels)
-        # Each rank only saw its own slice. Sum the slices' totals over all ranks, so the loss
-        # that rank 0 reports is the mean over every sample, not over rank 0's share.
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank's slice: the mean over all
         return (totals[0] / totals[1]).item()
 
     @torch.no_grad()
     def evaluate(self):
-        """Count correct predictions over the whole test set, each wine exactly once."""
+        """Count correct predictions over the whole test set."""
         self.model.eval()
-        # DistributedSampler would pad the 36 test wines to a multiple of world_size with
-        # repeats, and the repeats would be counted twice. A plain stride gives every wine to
-        # exactly one rank, some ranks get one fewer, and evaluation needs no lockstep.
+        # A stride: each test wine on exactly one rank (DistributedSampler would pad with repeats).
         features = self.test_set.features[self.rank::self.world_size].to(self.device)
         labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
-        # The wrapped model (.module): evaluation needs none of DDP's synchronisation.
+        # The model inside DDP (.module): evaluation needs none of DDP's synchronisation.
         predictions = self.model.module(features).argmax(dim=1)
         counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return int(counts[0]), int(counts[1])
 
     def save_checkpoint(self, epoch):
-        # .module is the plain model inside DDP: its keys have no "module." prefix, so the file
-        # loads into lesson 01's model. Every rank holds the same weights; one copy is enough.
+        # The model inside DDP (.module): keys without a "module." prefix, as lesson 01 loads.
         checkpoint = {"model": self.model.module.state_dict(), "epochs_completed": epoch + 1}
         save_atomically(checkpoint, os.path.join(self.out_dir, "checkpoint.pt"))
 
@@ -238,14 +216,12 @@ def main(rank, args):
     start = args.start_time  # set by launch, before the ranks were started
     device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
     train_set, test_set = load_data()
-    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
-                                      args.world_size)
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
     # Seed before building the model so the initial weights are the same on every rank.
-    # (DDP also copies rank 0's weights to the others when it wraps the model.)
     torch.manual_seed(args.seed)
     model = WineMLP().to(device)
-    # device_ids names the one GPU this rank's model lives on; on the CPU it is left out.
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
@@ -287,26 +263,22 @@ def main(rank, args):
 
 
 def worker(rank, args):
-    """What mp.spawn runs in each new process: main, then leave the process group."""
     with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
         main(rank, args)
         dist.destroy_process_group()
 
 
 def launch(args):
-    """Pick backend and port, then start one process per rank."""
     args.start_time = time.time()
     args.backend = choose_backend(args.backend, args.world_size)
-    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
-    # loopback address; a port set in the environment wins, else any free one.
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
     check_master_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
-    # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
+    # Runs worker(rank, args) in world_size fresh Python processes, rank 0 .. world_size - 1.
     with spawn_guard("rank"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
 
@@ -324,14 +296,12 @@ def parse_args(argv=None):
                         help="write checkpoint.pt every N epochs")
     parser.add_argument("--out-dir", default="runs/02_multi_gpu_spawn",
                         help="folder for checkpoint.pt, final.pt and metrics.json")
-    parser.add_argument("--world-size", type=int,
-                        default=torch.cuda.device_count() or 2,
+    parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
                         help="number of processes (default: one per GPU, or 2 on the CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when every rank has its own GPU, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds a rank waits for the others (to start, or in any "
-                             "collective) before giving up with an error")
+                        help="seconds a rank waits for the others before it stops with an error")
     return check_args(parser.parse_args(argv))
 
 

@@ -178,18 +178,17 @@ def lost_contact_line(error, rank, args, meet_fix, lost_fix):
 
 def leave_process(code=0):
     """The teardown workaround: a rank whose work is done and written, or that has said why it
-    stopped, leaves at once with that exit code.
+    stopped, leaves at once with that exit code, skipping the interpreter's teardown.
 
     With torch 2.14, gloo's threads can outlive destroy_process_group, and Python tearing down
     the interpreter under them sometimes aborts the rank ("terminate called without an active
-    exception"): a job whose results are on disk fails, and a rank that printed its one-line
-    error or its traceback dies with exit code -6, so the launcher adds a second, wrong line
-    (torchrun: "Signal 6 (SIGABRT)"). Seen in lesson 07 (ZeRO-1) about 1 run in 25, after "lost
-    contact" in lesson 03, and in about 1 torchrun run in 10 where a rank raised;
-    `python tools/repro_teardown.py --lesson 07_sharding` counts it with and without this
-    function, and with --crash for a rank that raises under torchrun. Upstream:
-    pytorch/pytorch#190489 and the abandoned pytorch/pytorch#179291 (gloo work that outlives
-    the interpreter)."""
+    exception", exit code -6): a job whose results are on disk fails, or a rank that printed its
+    one line gets a second, wrong one from its launcher. On the course's 2-core CPU machine,
+    `python tools/repro_teardown.py --crash --lesson 07_sharding --runs 12` (two torchrun nodes,
+    rank 1 raising) saw 8 of 12 runs abort without this function and 0 of 12 with it; a rank
+    that finishes normally aborted about once in 25 runs of lesson 07 (ZeRO-1). The cause, the
+    upstream reports (pytorch/pytorch#190489, the abandoned pytorch/pytorch#179291) and every
+    figure with its command: notes/teardown_abort.md in the course repository."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -228,18 +227,52 @@ def spawn_guard(what, then=""):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lesson 03: nodes started with flags that cannot meet
+# Lesson 03: node flags that cannot work, a rank 0 that cannot be reached, nodes that disagree
 # ---------------------------------------------------------------------------------------------
-# Flags for launching by hand; under torchrun they belong to torchrun's command line.
-MANUAL_LAUNCH_FLAGS = ("nnodes", "node_rank", "nproc_per_node", "master_addr", "master_port")
+NODE_FLAGS = ("--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port")
 
 
-def check_node_flags(args):
-    if args.node_rank is not None and args.node_rank < 0:
+def check_nodes(args):
+    """Before this node's ranks start, with MASTER_ADDR and MASTER_PORT set: node flags that
+    cannot work, and a rank 0 that cannot be reached, each as one line instead of a hang."""
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if started_by_torchrun():
+        # torchrun already numbered the nodes and processes; flags given to the script (argparse
+        # also takes a flag's unambiguous start) would be ignored.
+        given = [arg for arg in sys.argv[1:] if len(arg.split("=")[0]) > 2
+                 and any(flag.startswith(arg.split("=")[0]) for flag in NODE_FLAGS)]
+        if given:
+            fail("under torchrun, give --nnodes, --node-rank, --nproc-per-node, --master-addr "
+                 "and --master-port to torchrun, not to the script")
+        # torchrun numbers the ranks node after node; with the same --nproc-per-node on every
+        # node that is the lesson's formula, and the lesson relies on it.
+        if args.node_rank * args.nproc_per_node + int(os.environ["LOCAL_RANK"]) != int(
+                os.environ["RANK"]):
+            fail(f"torchrun gave this process RANK={os.environ['RANK']}, not node_rank * "
+                 "nproc_per_node + local_rank; start every node with the same --nproc-per-node")
+    if args.node_rank < 0:
         fail(f"--node-rank must be 0 or more (got {args.node_rank})")
-    if args.master_port is not None and not 0 < args.master_port < 65536:
-        fail(f"--master-port must be a port number, 1 .. 65535 (got {args.master_port})")
-    return args
+    if args.node_rank >= args.nnodes:
+        fail(f"--node-rank {args.node_rank} is out of range for --nnodes {args.nnodes}: node "
+             f"ranks are 0 .. {args.nnodes - 1}, one per node")
+    if not 0 < port < 65536:
+        fail(f"--master-port must be a port number, 1 .. 65535 (got {port})")
+    by_hand = not started_by_torchrun()  # else torchrun's rendezvous has met the nodes already
+    if by_hand and args.node_rank == 0:
+        # Rank 0 is about to listen here: the address must be this machine's, the port free.
+        if not is_local_address(address):
+            fail(f"--master-addr {address} is not an address of this machine, but node 0 runs "
+                 "rank 0 and listens on it; give node 0 its own address (hostname -I)")
+        if port_in_use(port):
+            fail(f"port {port} is already in use on this machine; choose another with "
+                 "--master-port, the same on every node")
+    if args.backend == "gloo":
+        check_gloo_address(address, args.nnodes)
+    if by_hand and args.node_rank > 0 and not wait_for_master(address, port, args.timeout,
+                                                               args.node_rank):
+        fail(f"nothing answered at {address}:{port} within {args.timeout:g} s; start node 0 "
+             "first, give every node node 0's address and port (--master-addr, --master-port) "
+             "and check that a firewall lets that port through, or raise --timeout")
 
 
 def is_local_address(address):
@@ -276,9 +309,10 @@ def check_gloo_address(master_addr, nnodes):
              "names it)")
 
 
-def wait_for_master(address, port, timeout):
+def wait_for_master(address, port, timeout, node_rank):
     """True once something listens at address:port, False if nothing does within timeout s."""
     deadline = time.monotonic() + timeout
+    said = False
     while True:
         try:
             with socket.create_connection((address, port), timeout=min(5.0, timeout)):
@@ -288,7 +322,44 @@ def wait_for_master(address, port, timeout):
             # nodes may be started in any order, until the deadline.
             if time.monotonic() >= deadline:
                 return False
+            if not said:
+                print(f"node {node_rank}: waiting up to {timeout:g} s for rank 0 at "
+                      f"{address}:{port} (start node 0 there)", flush=True)
+                said = True
             time.sleep(0.5)
+
+
+def node_guard(rank, args):
+    """rank_guard, with the advice that fits ranks spread over nodes."""
+    advice = {"meet_fix": "start every node with the same --nnodes, --nproc-per-node, "
+                          "--master-addr and --master-port, or raise --timeout"}
+    if args.nnodes > 1:
+        others = " or ".join(str(node) for node in range(args.nnodes) if node != args.node_rank)
+        advice["lost_fix"] = (f"a peer node went away, or stalled longer than --timeout: the log "
+                              f"of node {others} says why")
+    return rank_guard(rank, args, **advice)
+
+
+def rank_table(rank, local_rank, args):
+    """Every rank's numbers (global, local, node, host), gathered from all of them in rank
+    order, for rank 0 to print what the ranks report rather than what the formula promises.
+
+    Each node was started by its own command, so their training flags are compared too: a node
+    started with other flags would run other steps, and hang or crash its peers."""
+    mine = {"rank": rank, "local_rank": local_rank, "node_rank": args.node_rank,
+            "host": socket.gethostname()}
+    settings = {"epochs": args.epochs, "batch-size": args.batch_size, "lr": args.lr,
+                "seed": args.seed, "save-every": args.save_every, "backend": args.backend}
+    gathered = [None] * dist.get_world_size()
+    # With NCCL the pickled objects travel on torch.cuda.current_device(), which is why each
+    # rank must have called set_device first (all_gather_object's documentation).
+    dist.all_gather_object(gathered, (mine, settings))
+    for other, other_settings in gathered:
+        for flag, value in other_settings.items():
+            if value != gathered[0][1][flag]:
+                fail(f"node {other['node_rank']} was started with --{flag} {value} but node 0 "
+                     f"with --{flag} {gathered[0][1][flag]}; give every node the same flags")
+    return [entry for entry, _ in gathered]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +433,25 @@ def decided_by_rank_0(rank, decide, *decide_args):
     return value
 
 
+def snapshot_to_resume(rank, path, args, make_model):
+    """The snapshot at path, as a file in memory, for every rank to resume from; or None to
+    start afresh. Rank 0 alone checks it (check_snapshot) and hands its answer to every rank;
+    every rank then shows that it sees that very file. When another number of ranks resumes
+    it, rank 0 says what that changes."""
+    expected = decided_by_rank_0(rank, check_snapshot, path, args, make_model)
+    if expected is None:
+        return None
+    snapshot_file = read_same_snapshot(path, expected)
+    before = expected["world_size"]
+    if rank == 0 and before != args.world_size and expected["epochs_completed"] < args.epochs:
+        # The weights and the optimizer's state do not depend on the number of ranks; the
+        # global batch does (--batch-size is per rank), and with it every step from here on.
+        print(f"note: the snapshot was written by {before} ranks and {args.world_size} resume "
+              f"it: the global batch goes from {args.batch_size * before} to "
+              f"{args.batch_size * args.world_size}", flush=True)
+    return snapshot_file
+
+
 def read_same_snapshot(path, expected):
     """The snapshot rank 0 decided on, as a file in memory, once every rank has checked that
     it sees that very file; else the job stops with one line, not a hang."""
@@ -420,13 +510,19 @@ def restart_store(rank, world_size, timeout):
 # Lesson 06: flag values that cannot work, and what the chosen device cannot do
 # ---------------------------------------------------------------------------------------------
 def check_practice_args(args):
-    """This lesson's flags: the values that cannot work, and what the chosen device cannot do."""
+    """Every lesson's checks (check_args), then this lesson's: flag values that cannot work, and
+    what the device the ranks will train on cannot do. Returns args, as check_args does."""
+    check_args(args)
     if args.accumulate < 1:
         fail(f"--accumulate must be at least 1 (got {args.accumulate})")
     for name in ("clip_grad_norm", "warmup_steps"):
         if getattr(args, name) < 0:
             fail(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(args, name)})")
-    on_gpu = args.backend == "nccl"
+    # On GPUs where train.py's choose_backend will pick NCCL: from the ranks on this machine
+    # (torchrun's LOCAL_WORLD_SIZE, else --world-size), one GPU each.
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    on_gpu = args.backend == "nccl" or (args.backend == "auto" and dist.is_nccl_available()
+                                        and 0 < ranks_here <= torch.cuda.device_count())
     if args.precision == "fp16" and not on_gpu:
         fail("--precision fp16 needs CUDA GPUs (fp16 autocast with a GradScaler); on the CPU "
              "use --precision bf16")
@@ -440,6 +536,7 @@ def check_practice_args(args):
                  "one (or set CXX to it), or leave out --compile")
         if on_gpu and importlib.util.find_spec("triton") is None:
             fail("--compile on GPUs needs triton (pip install triton), or leave out --compile")
+    return args
 
 
 # ---------------------------------------------------------------------------------------------

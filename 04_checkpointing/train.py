@@ -1,20 +1,18 @@
 """Lesson 04: snapshots that survive a crash, and a resume that loses nothing.
 
-Lesson 02's program, made fault tolerant. Every --save-every epochs global rank 0 alone writes
-<out-dir>/snapshot.pt: the model, the optimizer's state, the epochs completed and the losses so
-far, and the flags that define the run, atomically (a temporary file, flushed, renamed over the
-old one), and every rank waits at a barrier until it is on disk. A run whose --out-dir holds a
-snapshot continues from it, if its flags match: rank 0 decides, and every rank loads that file
-onto its own device (map_location) with weights_only=True and starts at the next epoch. It also
-runs under torchrun, which restarts the job after a crash (--max-restarts).
+Lesson 02's program, made fault tolerant. Every --save-every epochs, global rank 0 alone writes
+<out-dir>/snapshot.pt atomically, and every rank waits at a barrier until it is on disk. A run
+whose --out-dir holds a snapshot resumes from it: each rank loads it onto its own device and
+starts at the next epoch. Under torchrun --max-restarts, a crashed job restarts and resumes.
 
 Run it:
-    python 04_checkpointing/train.py                               # 2 CPU ranks, or every GPU
-    python 04_checkpointing/train.py --save-every 2 --crash-at-epoch 3   # dies at epoch 3 ...
-    python 04_checkpointing/train.py --save-every 2                # ... and resumes at epoch 3
-    python 04_checkpointing/train.py --world-size 1                # resumes with another size
+    python 04_checkpointing/train.py                             # 2 CPU ranks, or every GPU
+    python 04_checkpointing/train.py --world-size 1 --epochs 25  # resumes it: 1 rank, 5 epochs more
+    # One rank dies at the start of epoch 3; the same command again resumes at epoch 3:
+    python 04_checkpointing/train.py --out-dir runs/04_crash --save-every 2 --crash-at-epoch 3
+    python 04_checkpointing/train.py --out-dir runs/04_crash --save-every 2 --crash-at-epoch 3
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 04_checkpointing/train.py \
-        --save-every 2 --crash-at-epoch 3 --out-dir runs/04_torchrun  # torchrun restarts it
+        --out-dir runs/04_torchrun --save-every 2 --crash-at-epoch 3   # restarts itself
 """
 
 import argparse
@@ -37,12 +35,11 @@ from guard_rails import (
     check_args,
     check_master_port,
     check_snapshot,
-    decided_by_rank_0,
     fail,
     rank_guard,
-    read_same_snapshot,
     restart_store,
     run_settings,
+    snapshot_to_resume,
     spawn_guard,
     start,
     started_by_torchrun,
@@ -53,8 +50,7 @@ from guard_rails import (
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
 def choose_backend(requested, world_size, flag="--world-size"):
-    """NCCL when every rank can have its own GPU, else gloo on the CPU. flag names what set
-    the number of ranks on this machine: --world-size, or torchrun's --nproc-per-node."""
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
     gpus = torch.cuda.device_count()
     if requested == "nccl":
         if gpus == 0 or not dist.is_nccl_available():
@@ -72,34 +68,30 @@ def choose_backend(requested, world_size, flag="--world-size"):
 
 
 def find_free_port():
-    # Port 0 asks the operating system for any free port. Two jobs started at the same moment
-    # get different ports, where a fixed default such as 29500 would make the second one fail.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
         return sock.getsockname()[1]
 
 
-def setup_process_group(rank, local_rank, world_size, backend, timeout):
+def setup_process_group(rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
+    # torchrun numbers the GPUs and shares the cores per node; mp.spawn's ranks are all on this
+    # one. Read only under torchrun: some clusters export LOCAL_RANK to every process.
+    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+                               if started_by_torchrun() else (rank, world_size))
     if backend == "nccl":
-        # Pin this process to its own GPU before anything touches CUDA. Without it every rank
-        # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
-        # The local rank picks it: under torchrun on several nodes, each numbers its GPUs from 0.
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
-        # The ranks share the machine's cores: give each its share of threads, or they all
-        # start one thread per core and spend their time fighting over them.
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, cores // ranks_here))
+        torch.set_num_threads(max(1, cores // local_ranks))
         device = torch.device("cpu")
-    # MASTER_ADDR and MASTER_PORT (set by launch or torchrun) tell every rank where rank 0
-    # listens. The timeout bounds the wait for the other ranks here, and every collective after
-    # it: a rank that never arrives ends the job with an error instead of a silent hang (the
-    # default is 10 minutes for NCCL, 30 for gloo).
-    dist.init_process_group(backend, store=restart_store(rank, world_size, timeout), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            store=restart_store(rank, world_size, timeout),  # torchrun's restarts
+                            timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
 
@@ -107,9 +99,7 @@ def setup_process_group(rank, local_rank, world_size, backend, timeout):
 def save_atomically(obj, path):
     # Write to a temporary file in the same folder, then rename it over the target: a crash in
     # the middle of torch.save leaves the previous file intact instead of a half-written one.
-    # The rename is atomic only within one filesystem, hence the same folder. fsync makes the
-    # bytes reach the disk before the rename does, so a power cut cannot leave a renamed but
-    # empty file either.
+    # fsync puts the bytes on disk before the rename, so a power cut cannot leave an empty file.
     tmp_path = f"{path}.tmp"
     with open(tmp_path, "wb") as f:
         torch.save(obj, f)
@@ -135,8 +125,8 @@ class WineDataset(Dataset):
 
 def load_data():
     """The same 142 training and 36 test wines in every lesson."""
-    # Imported here rather than at the top: only the ranks load data, so the launching process
-    # skips scikit-learn's import (about a second on a laptop) before it starts them.
+    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
+    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
     from sklearn.datasets import load_wine
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
@@ -154,12 +144,9 @@ def load_data():
 
 
 def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # DistributedSampler deals each rank a disjoint slice of a seeded permutation, the same
-    # permutation on every rank. If the data does not split evenly it repeats a few samples so
-    # that every rank runs the same number of steps (a rank with one step fewer would leave the
-    # others waiting forever in the gradient all-reduce). It shuffles, so the DataLoader doesn't.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed)
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
@@ -194,29 +181,23 @@ class Trainer:
         self.out_dir = out_dir
         self.rank = rank
         self.world_size = world_size
-        # One flag gates printing and file writes, so N ranks don't print N copies.
-        self.is_main_process = rank == 0
-        # Where training stands: what a snapshot saves and a resume restores.
+        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
         self.snapshot_path = os.path.join(out_dir, "snapshot.pt")
-        self.epochs_completed = 0
-        self.losses = []
-        self.crash_at_epoch = None  # set by main from --crash-at-epoch
-        self.settings = {}  # set by main: the flags that define the run, saved with it
+        self.epochs_completed, self.losses = 0, []
+        self.crash_at_epoch = self.settings = None  # main sets both from its flags
 
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(features), labels)
-        # DDP's backward also all-reduces the gradients and divides them by world_size: the
-        # average of the ranks' batch-mean gradients is the gradient of the global batch, so
-        # every rank takes the step one process with world_size times the batch would take.
+        # In backward, DDP all-reduces the gradients and divides by world_size: the mean of the
+        # ranks' batch means is the global batch's mean gradient, the same step on every rank.
         loss.backward()
         self.optimizer.step()
         return loss.detach()
 
     def train_epoch(self, epoch):
         self.model.train()
-        # Reseed the sampler's shuffle, or every epoch deals the same samples in the same order.
-        self.train_loader.sampler.set_epoch(epoch)
+        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
         totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
         for features, labels in self.train_loader:
             features, labels = features.to(self.device), labels.to(self.device)
@@ -224,137 +205,103 @@ class Trainer:
             # mean is over samples, even when the last batch is smaller.
             totals[0] += self.train_step(features, labels) * len(labels)
             totals[1] += len(labels)
-        # Each rank only saw its own slice. Sum the slices' totals over all ranks, so the loss
-        # that rank 0 reports is the mean over every sample, not over rank 0's share.
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank's slice: the mean over all
         return (totals[0] / totals[1]).item()
 
     @torch.no_grad()
     def evaluate(self):
-        """Count correct predictions over the whole test set, each wine exactly once."""
+        """Count correct predictions over the whole test set."""
         self.model.eval()
-        # DistributedSampler would pad the 36 test wines to a multiple of world_size with
-        # repeats, and the repeats would be counted twice. A plain stride gives every wine to
-        # exactly one rank, some ranks get one fewer, and evaluation needs no lockstep.
+        # A stride: each test wine on exactly one rank (DistributedSampler would pad with repeats).
         features = self.test_set.features[self.rank::self.world_size].to(self.device)
         labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
-        # The wrapped model (.module): evaluation needs none of DDP's synchronisation.
+        # The model inside DDP (.module): evaluation needs none of DDP's synchronisation.
         predictions = self.model.module(features).argmax(dim=1)
         counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return int(counts[0]), int(counts[1])
 
     def save_snapshot(self):
-        # Everything the next run needs to go on as if this one had not stopped. .module is the
-        # plain model inside DDP: its keys have no "module." prefix, so the weights also load
-        # into lesson 01's model. The optimizer's state matters as much: Adam's running means
-        # restart from zero without it, and the resumed run would take different steps.
-        # Nothing else here draws random numbers: the model is seeded before it is built, and
-        # the sampler's order is a function of --seed and the epoch. A model with dropout or
-        # random augmentation would also save every rank's torch.get_rng_state().
-        snapshot = {
-            "model": self.model.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "epochs_completed": self.epochs_completed,  # also the index of the next epoch
-            "train_loss": self.losses,
-            "world_size": self.world_size,
-            # The flags that define the run: a resume with others would be another run.
-            "settings": self.settings,
-        }
+        # The model inside DDP (.module): keys without a "module." prefix, as lesson 01 loads.
+        # The optimizer's state too: without it Adam's running averages restart from zero, and
+        # the resumed run would take other steps than the one that never stopped.
+        snapshot = {"model": self.model.module.state_dict(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "epochs_completed": self.epochs_completed,  # also the next epoch's index
+                    "train_loss": self.losses, "world_size": self.world_size,
+                    "settings": self.settings}  # flags a resume must not change
         save_atomically(snapshot, self.snapshot_path)
 
-    def load_snapshot(self, expected):
-        # Every rank loads the same file, so the copies stay identical, as DDP requires.
-        # (rank 0 chose it, and every rank checked that it sees that very file).
-        snapshot_file = read_same_snapshot(self.snapshot_path, expected)
-        # map_location: the tensors were saved from global rank 0's device, so the file says
-        # cuda:0. Without it, every rank would load its copy onto cuda:0, crowding that GPU; with
-        # it, rank r's copy goes to its own cuda:r (or the CPU). weights_only=True loads tensors
-        # and plain containers only: a file that tries to build other objects is refused.
+    def load_snapshot(self, snapshot_file):
+        # map_location: the tensors were saved from rank 0's device, cuda:0 on GPUs; without it
+        # every rank would load its copy onto cuda:0. weights_only=True builds tensors and plain
+        # containers only: a file that tries to build anything else (and run code) is refused.
         snapshot = torch.load(snapshot_file, map_location=self.device, weights_only=True)
         self.model.module.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.epochs_completed = snapshot["epochs_completed"]
         self.losses = list(snapshot["train_loss"])
-        return snapshot
 
     def train(self, max_epochs):
-        # From the snapshot's next epoch, not from 0: no epoch is repeated or skipped. The
-        # sampler is reseeded per epoch (set_epoch), so epoch 3 deals the wines it would have.
+        losses = self.losses  # the snapshot's, if this run resumed
+        # From the snapshot's next epoch, not from 0: no epoch repeated, none skipped.
         for epoch in range(self.epochs_completed, max_epochs):
             if epoch + 1 == self.crash_at_epoch and self.rank == self.world_size - 1:
-                # One rank dies, as when a GPU or a node fails; the launcher stops the others.
                 raise RuntimeError(f"simulated crash of rank {self.rank} at the start of epoch "
                                    f"{epoch + 1} (--crash-at-epoch)")
             start = time.perf_counter()
             loss = self.train_epoch(epoch)
-            self.losses.append(loss)
+            losses.append(loss)
             self.epochs_completed = epoch + 1
             if self.is_main_process:
                 print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
                       f"| {time.perf_counter() - start:.3f} s", flush=True)
             if self.epochs_completed % self.save_every == 0 or self.epochs_completed == max_epochs:
-                # Rank 0 alone writes: the ranks hold identical weights, and N ranks writing
-                # one file at once (on a shared filesystem, from N nodes) would corrupt it.
+                # Rank 0 alone writes: the ranks hold the same weights, and N ranks writing one
+                # file (N nodes, on a shared filesystem) would corrupt it. Every rank then waits
+                # until it is on disk: once any rank is in the next epoch, this snapshot exists.
                 if self.is_main_process:
                     self.save_snapshot()
-                # Every rank waits until the snapshot is on disk. Then no rank can read a
-                # half-written file, and once any rank is in the next epoch, the snapshot of
-                # this one exists: a crash from here on resumes from it.
                 dist.barrier()
-        return self.losses
+        return losses
 
 
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
-def main(rank, local_rank, args):
+def main(rank, args):
     start = args.start_time  # set by launch, before the ranks were started
-    device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
+    device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
     train_set, test_set = load_data()
-    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
-                                      args.world_size)
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
     # Seed before building the model so the initial weights are the same on every rank.
-    # (DDP also copies rank 0's weights to the others when it wraps the model.)
     torch.manual_seed(args.seed)
     model = WineMLP().to(device)
-    # device_ids names the one GPU this rank's model lives on; on the CPU it is left out.
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size)
     trainer.settings = run_settings(args)
 
-    # Automatic resume: a snapshot in --out-dir means an earlier run got this far. Rank 0 alone
-    # decides whether to resume, and from which epoch, and tells the others: ranks deciding on
-    # their own could start at different epochs (a node with no copy, or an old one) and then
-    # wait for each other forever. Each rank then loads that file onto its own device.
-    expected = decided_by_rank_0(rank, check_snapshot, trainer.snapshot_path, args,
-                                WineMLP)
-    resumed = expected is not None
-    if resumed:
-        snapshot = trainer.load_snapshot(expected)
-        if trainer.is_main_process:
-            done = trainer.epochs_completed
-            next_step = (f"continuing at epoch {done + 1}" if done < args.epochs else
-                         "nothing left to train (a larger --epochs goes on)")
-            print(f"resuming from {trainer.snapshot_path}: {done} of {args.epochs} epochs done, "
-                  f"{next_step}", flush=True)
-            if snapshot["world_size"] != args.world_size:
-                # The weights and the optimizer do not depend on the number of ranks; the
-                # global batch does (--batch-size is per rank), and so the steps from here on.
-                print(f"note: the snapshot was written by {snapshot['world_size']} ranks and "
-                      f"{args.world_size} resume it: the global batch goes from "
-                      f"{args.batch_size * snapshot['world_size']} to "
-                      f"{args.batch_size * args.world_size}", flush=True)
-    # --crash-at-epoch fails the job once: not again in a run that resumed, nor in torchrun's
-    # restart of it (TORCHELASTIC_RESTART_COUNT counts those), or it would never get past it.
-    resumed_after_epoch = trainer.epochs_completed
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    trainer.crash_at_epoch = None if resumed or restarted else args.crash_at_epoch
+    # Rank 0 alone decides whether to resume and tells the others: ranks deciding on their own
+    # (a node with no copy, or an old one) could start at different epochs and wait forever.
+    snapshot_file = snapshot_to_resume(rank, trainer.snapshot_path, args, WineMLP)
+    if snapshot_file is not None:
+        trainer.load_snapshot(snapshot_file)
+    done = trainer.epochs_completed  # 0 unless resumed
+    if trainer.is_main_process and done == args.epochs:
+        print(f"note: {trainer.snapshot_path} already holds all {done} epochs: nothing left "
+              "to train; raise --epochs to go on, or another --out-dir starts afresh", flush=True)
+    elif trainer.is_main_process and done > 0:
+        print(f"resuming from {trainer.snapshot_path}: {done} of {args.epochs} epochs done, "
+              f"continuing at epoch {done + 1}", flush=True)
+    # --crash-at-epoch fails a new run once: not one that resumed, nor torchrun's restart of it.
+    if done == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        trainer.crash_at_epoch = args.crash_at_epoch
 
-    if trainer.is_main_process:
+    if trainer.is_main_process and done < args.epochs:
         print(f"training on {args.world_size} x {device.type} ({args.backend}): "
               f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
               f"per rank ({args.batch_size * args.world_size} in all)", flush=True)
@@ -369,13 +316,13 @@ def main(rank, local_rank, args):
     metrics = {
         "lesson": "04_checkpointing",
         "world_size": args.world_size,
-        "launcher": args.launcher,
-        "resumed_after_epoch": resumed_after_epoch,  # 0: this run started from scratch
+        "launcher": "torchrun" if started_by_torchrun() else "spawn",
+        "resumed_after_epoch": done,
         "backend": args.backend,
         "device": device.type,
         "epochs": args.epochs,
         "batch_size": args.batch_size,
-        "lr": optimizer.param_groups[0]["lr"],  # what the steps used, also after a resume
+        "lr": args.lr,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
         "train_loss": losses,
@@ -391,44 +338,33 @@ def main(rank, local_rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-def worker(local_rank, args):
-    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
-    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
-    rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
+def worker(rank, args):
     with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
-        main(rank, local_rank, args)
+        main(rank, args)
         dist.destroy_process_group()
 
 
 def launch(args):
-    """Check any snapshot, pick backend and port, then start one process per rank; or, under
-    torchrun, which has started them already, be one rank."""
+    """Pick backend and port, then start one process per rank (under torchrun: be one rank)."""
     args.start_time = time.time()
     if started_by_torchrun():
-        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
-        # is one rank. After a crash torchrun starts every rank again (--max-restarts), and the
-        # snapshot brings them back to where the job was.
-        args.launcher = "torchrun"
+        # torchrun started this process as one rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+        # MASTER_PORT); after a crash it starts them all again, and they resume from the snapshot.
         args.world_size = int(os.environ["WORLD_SIZE"])
         args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
                                       "torchrun's --nproc-per-node")
-        os.makedirs(args.out_dir, exist_ok=True)
-        worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
-        return
-    args.launcher = "spawn"
+        return worker(int(os.environ["RANK"]), args)
     args.backend = choose_backend(args.backend, args.world_size)
-    # Checked here, once, before any rank starts: a snapshot that cannot be resumed is one line.
+    # A snapshot that cannot be resumed: one line now, before any rank starts.
     check_snapshot(os.path.join(args.out_dir, "snapshot.pt"), args, WineMLP)
-    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
-    # loopback address; a port set in the environment wins, else any free one.
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
     check_master_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
-    # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
+    # Runs worker(rank, args) in world_size fresh Python processes, rank 0 .. world_size - 1.
     with spawn_guard("rank", ". Run the same command again to resume from the last snapshot"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
 
@@ -447,17 +383,14 @@ def parse_args(argv=None):
     parser.add_argument("--out-dir", default="runs/04_checkpointing",
                         help="folder for snapshot.pt, final.pt and metrics.json; a snapshot "
                              "already there is resumed")
-    parser.add_argument("--world-size", type=int,
-                        default=torch.cuda.device_count() or 2,
+    parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
                         help="number of processes (default: one per GPU, or 2 on the CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when every rank has its own GPU, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds a rank waits for the others (to start, or in any "
-                             "collective) before giving up with an error")
+                        help="seconds a rank waits for the others before it stops with an error")
     parser.add_argument("--crash-at-epoch", type=int, default=None,
-                        help="make one rank fail at the start of this epoch (once: not in a "
-                             "run that resumed, nor in a torchrun restart), to try a resume")
+                        help="one rank fails at the start of this epoch (in a new run only)")
     return check_args(parser.parse_args(argv))
 
 

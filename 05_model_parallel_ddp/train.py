@@ -1,19 +1,15 @@
 """Lesson 05: DDP over a model split across two devices per process (model parallelism).
 
-Lesson 02's program, with each rank's model cut in two: the first layer (fc1 and its ReLU) lives
-on one device, the second (fc2) on another, and forward moves the activations from one to the
-other. DDP still averages the gradients across ranks; it just wraps a module that spans two
-devices. With 2k GPUs, k ranks each own two GPUs (rank r: GPUs 2r and 2r+1) and talk over NCCL.
-With one GPU, one rank puts both stages on it. Without GPUs, both stages of every rank sit on the
-CPU and the ranks talk over gloo: the same code runs, the split just moves nothing.
+Lesson 02's program, with each rank's model cut in two: fc1 and its ReLU on one device, fc2 on
+another, and forward moves the activations between them. DDP still averages the gradients across
+ranks; each rank's module just spans two devices. With 2k GPUs, k ranks own two GPUs each (rank
+r: GPUs 2r and 2r+1); one GPU holds both stages; on the CPU (gloo) the split moves nothing.
 
 Run it:
     python 05_model_parallel_ddp/train.py                          # GPU pairs, or 2 CPU ranks
     python 05_model_parallel_ddp/train.py --backend gloo           # force the CPU even with GPUs
-    CUDA_VISIBLE_DEVICES=0 python 05_model_parallel_ddp/train.py   # one GPU holds both stages
     CUDA_VISIBLE_DEVICES=0,1 python 05_model_parallel_ddp/train.py # one rank over GPUs 0 and 1
-    torchrun --standalone --nproc-per-node 2 05_model_parallel_ddp/train.py  # torchrun starts
-                                                                   # the ranks, not mp.spawn
+    torchrun --standalone --nproc-per-node 2 05_model_parallel_ddp/train.py  # no mp.spawn
 """
 
 import argparse
@@ -32,70 +28,54 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from guard_rails import (
-    check_args,
-    check_master_port,
-    fail,
-    rank_guard,
-    spawn_guard,
-    start,
-    started_by_torchrun,
-)
+import guard_rails
+from guard_rails import check_args, check_master_port, fail, rank_guard, spawn_guard, start
 
 
 # ---------------------------------------------------------------------------------------------
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
 def plan_devices(gpu_count, requested_world_size=None, flag="--world-size"):
-    """Decide how many ranks run and where each rank's two stages live, from the GPU count alone.
-
-    Returns (world_size, [(dev0, dev1) for each rank], note); note is "" when there is nothing to
-    say. Raises ValueError, with the fix in its message, when the request cannot be met; flag
-    names what asked for that many ranks: --world-size, or torchrun's --nproc-per-node. It looks
-    at no hardware, so the plan for 8 GPUs can be checked on a laptop."""
+    """How many ranks run and where each rank's two stages live, from the GPU count alone, so
+    the plan for 8 GPUs can be checked on a laptop: (world_size, [(dev0, dev1) per rank], note).
+    More ranks than GPU pairs raise ValueError; its fix names flag (--world-size or torchrun's)."""
     if gpu_count == 0:
         world_size = requested_world_size or 2
         return world_size, [("cpu", "cpu")] * world_size, ""
-    if gpu_count == 1:
-        if requested_world_size not in (None, 1):
-            raise ValueError(f"{flag} {requested_world_size} needs "
-                             f"{2 * requested_world_size} GPUs (2 per rank), but 1 is visible; "
-                             f"use {flag} 1 or --backend gloo")
-        return 1, [("cuda:0", "cuda:0")], ("note: one GPU, so both stages of the model share "
-                                           "cuda:0 and the split moves nothing")
-    # Each rank needs a pair: with an odd count the last GPU has no partner and stays idle.
-    pairs = gpu_count // 2
-    note = ""
-    if gpu_count % 2:
-        note = (f"note: {gpu_count} GPUs but each rank needs 2, so GPUs 0-{2 * pairs - 1} are "
-                f"used and cuda:{gpu_count - 1} stays idle")
+    # A rank needs a pair of GPUs; a single GPU holds both stages of the one rank.
+    pairs = max(1, gpu_count // 2)
     world_size = requested_world_size or pairs
     if world_size > pairs:
-        raise ValueError(f"{flag} {world_size} needs {2 * world_size} GPUs (2 per rank), "
-                         f"but {gpu_count} are visible; use {flag} {pairs} or --backend gloo")
+        raise ValueError(f"{flag} {world_size} needs {2 * world_size} GPUs (2 per rank), but "
+                         f"{gpu_count} visible; use {flag} {pairs} or --backend gloo")
+    if gpu_count == 1:
+        return 1, [("cuda:0", "cuda:0")], ("note: one GPU, so both stages of the model share "
+                                           "cuda:0 and the split moves nothing")
     devices = [(f"cuda:{2 * rank}", f"cuda:{2 * rank + 1}") for rank in range(world_size)]
-    return world_size, devices, note
+    idle = f"note: each rank needs 2 GPUs, so cuda:{gpu_count - 1} stays idle"
+    return world_size, devices, idle if gpu_count % 2 else ""
 
 
 def choose_backend(requested, world_size, flag="--world-size"):
-    """NCCL when the ranks have GPUs, else gloo on the CPU; and the plan of devices."""
+    """NCCL when the ranks have GPUs, else gloo on the CPU; and where each rank's stages live."""
     gpus = torch.cuda.device_count()
-    if requested == "nccl" and (gpus == 0 or not dist.is_nccl_available()):
-        fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+    if requested == "nccl":
+        if gpus == 0 or not dist.is_nccl_available():
+            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
     if requested == "gloo" or not dist.is_nccl_available():
         gpus = 0  # gloo keeps both stages of every rank on the CPU
     try:
         world_size, devices, note = plan_devices(gpus, world_size, flag)
     except ValueError as error:
         fail(error)
-    return ("nccl" if gpus else "gloo"), world_size, devices, note
+    if note and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says it
+        print(note, flush=True)
+    return ("nccl" if gpus else "gloo"), world_size, devices
 
 
 def find_free_port():
-    # Port 0 asks the operating system for any free port. Two jobs started at the same moment
-    # get different ports, where a fixed default such as 29500 would make the second one fail.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
         return sock.getsockname()[1]
 
 
@@ -103,31 +83,25 @@ def setup_process_group(rank, world_size, backend, dev0, timeout):
     """Join the group of world_size processes; return this rank's first device."""
     device = torch.device(dev0)
     if backend == "nccl":
-        # Pin this process to its first GPU before anything touches CUDA. Without it every rank
-        # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
         torch.cuda.set_device(device)
     else:
-        # The ranks share the machine's cores: give each its share of threads, or they all
-        # start one thread per core and spend their time fighting over them. Under torchrun on
-        # several machines only LOCAL_WORLD_SIZE of the ranks are on this one.
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        # (Under torchrun, on several machines, only LOCAL_WORLD_SIZE of them share this one.)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, cores // ranks_here))
-    # MASTER_ADDR and MASTER_PORT (set by launch) tell every rank where rank 0 listens. The
-    # timeout bounds the wait for the other ranks here, and every collective after it: a rank
-    # that never arrives ends the job with an error instead of a silent hang (the default is
-    # 10 minutes for NCCL, 30 for gloo).
-    # No device_id here, unlike lesson 02: it would bind NCCL to dev0 alone, and NCCL refuses
-    # any collective on another GPU ("backend constrained to cuda:0"). DDP all-reduces each
-    # gradient on the GPU it lives on, so fc2's runs on dev1; NCCL keeps a communicator per GPU.
+        torchrun = guard_rails.started_by_torchrun()
+        torch.set_num_threads(max(1, cores // (int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun
+                                               else world_size)))
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    # No device_id, unlike lesson 02: it would bind NCCL to dev0 alone, and NCCL would refuse
+    # the all-reduce of fc2's gradients, which DDP runs on dev1, where they live.
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     return device
 
 
 def cpu_state_dict(model):
-    # The stages' weights sit on two devices. Saved as CPU tensors, the file loads anywhere,
-    # also on a machine that lacks those GPUs, without a map_location.
+    # The weights sit on two devices; as CPU tensors the file loads on any machine as it is.
     return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
 
 
@@ -156,8 +130,8 @@ class WineDataset(Dataset):
 
 def load_data():
     """The same 142 training and 36 test wines in every lesson."""
-    # Imported here rather than at the top: only the ranks load data, so the launching process
-    # skips scikit-learn's import (about a second on a laptop) before it starts them.
+    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
+    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
     from sklearn.datasets import load_wine
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
@@ -175,12 +149,9 @@ def load_data():
 
 
 def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # DistributedSampler deals each rank a disjoint slice of a seeded permutation, the same
-    # permutation on every rank. If the data does not split evenly it repeats a few samples so
-    # that every rank runs the same number of steps (a rank with one step fewer would leave the
-    # others waiting forever in the gradient all-reduce). It shuffles, so the DataLoader doesn't.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed)
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
@@ -188,15 +159,14 @@ def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
 # Model
 # ---------------------------------------------------------------------------------------------
 class WineMLP(nn.Module):
-    """13 measurements -> 64 hidden units -> 3 cultivars, in two stages: fc1 and its ReLU on
-    dev0, fc2 on dev1. The names fc1 and fc2 are the checkpoint keys of every lesson, so any
-    lesson's final.pt loads into this class, and this lesson's into lesson 01's."""
+    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
+    checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
 
     def __init__(self, dev0="cpu", dev1="cpu", in_features=13, hidden=64, classes=3):
         super().__init__()
         self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
-        # Both layers are created on the CPU first, in lesson 02's order, so the same seed gives
-        # the same initial weights wherever they are then placed.
+        # Stage 1 (fc1 and its ReLU) on dev0, stage 2 (fc2) on dev1. Both are built on the CPU
+        # in lesson 02's order, then moved, so the same seed gives the same weights anywhere.
         self.fc1 = nn.Linear(in_features, hidden).to(self.dev0)
         self.fc2 = nn.Linear(hidden, classes).to(self.dev1)
 
@@ -222,26 +192,21 @@ class Trainer:
         self.out_dir = out_dir
         self.rank = rank
         self.world_size = world_size
-        # One flag gates printing and file writes, so N ranks don't print N copies.
-        self.is_main_process = rank == 0
+        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
 
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
-        output = self.model(features)
-        # The output comes off the second stage's device; the labels must be on it too.
+        output = self.model(features)  # on dev1, where the labels must go too
         loss = F.cross_entropy(output, labels.to(output.device))
-        # DDP's backward also all-reduces the gradients and divides them by world_size: the
-        # average of the ranks' batch-mean gradients is the gradient of the global batch, so
-        # every rank takes the step one process with world_size times the batch would take.
+        # In backward, DDP all-reduces the gradients and divides by world_size: the mean of the
+        # ranks' batch means is the global batch's mean gradient, the same step on every rank.
         loss.backward()
         self.optimizer.step()
-        # The running totals live on the first device, with the rest of this rank's bookkeeping.
-        return loss.detach().to(self.device)
+        return loss.detach().to(self.device)  # back to dev0, where the running totals are
 
     def train_epoch(self, epoch):
         self.model.train()
-        # Reseed the sampler's shuffle, or every epoch deals the same samples in the same order.
-        self.train_loader.sampler.set_epoch(epoch)
+        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
         totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
         for features, labels in self.train_loader:
             features, labels = features.to(self.device), labels.to(self.device)
@@ -249,30 +214,24 @@ class Trainer:
             # mean is over samples, even when the last batch is smaller.
             totals[0] += self.train_step(features, labels) * len(labels)
             totals[1] += len(labels)
-        # Each rank only saw its own slice. Sum the slices' totals over all ranks, so the loss
-        # that rank 0 reports is the mean over every sample, not over rank 0's share.
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank's slice: the mean over all
         return (totals[0] / totals[1]).item()
 
     @torch.no_grad()
     def evaluate(self):
-        """Count correct predictions over the whole test set, each wine exactly once."""
+        """Count correct predictions over the whole test set."""
         self.model.eval()
-        # DistributedSampler would pad the 36 test wines to a multiple of world_size with
-        # repeats, and the repeats would be counted twice. A plain stride gives every wine to
-        # exactly one rank, some ranks get one fewer, and evaluation needs no lockstep.
+        # A stride: each test wine on exactly one rank (DistributedSampler would pad with repeats).
         features = self.test_set.features[self.rank::self.world_size].to(self.device)
         labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
-        # The wrapped model (.module): evaluation needs none of DDP's synchronisation.
-        predictions = self.model.module(features).argmax(dim=1)
-        correct = (predictions == labels.to(predictions.device)).sum().item()
-        counts = torch.tensor([correct, len(labels)], device=self.device)
+        # The model inside DDP (.module): evaluation needs none of DDP's synchronisation.
+        predictions = self.model.module(features).argmax(dim=1).to(self.device)
+        counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return int(counts[0]), int(counts[1])
 
     def save_checkpoint(self, epoch):
-        # .module is the plain model inside DDP: its keys have no "module." prefix, so the file
-        # loads into lesson 01's model. Every rank holds the same weights; one copy is enough.
+        # The model inside DDP (.module): keys without a "module." prefix, as lesson 01 loads.
         checkpoint = {"model": cpu_state_dict(self.model.module), "epochs_completed": epoch + 1}
         save_atomically(checkpoint, os.path.join(self.out_dir, "checkpoint.pt"))
 
@@ -295,22 +254,19 @@ class Trainer:
 # ---------------------------------------------------------------------------------------------
 def main(rank, args):
     start = args.start_time  # set by launch, before the ranks were started
-    # Under torchrun the GPUs are planned per machine, so a rank's pair is found by its local
-    # rank; under mp.spawn on one machine the two are the same.
-    dev0, dev1 = args.devices[int(os.environ.get("LOCAL_RANK", rank))]
+    # The GPUs are planned per machine, so a rank's pair is found by its local rank (torchrun's
+    # LOCAL_RANK; under mp.spawn, on one machine, the rank itself, whatever the environment says).
+    local_rank = int(os.environ["LOCAL_RANK"]) if guard_rails.started_by_torchrun() else rank
+    dev0, dev1 = args.devices[local_rank]
     device = setup_process_group(rank, args.world_size, args.backend, dev0, args.timeout)
     train_set, test_set = load_data()
-    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
-                                      args.world_size)
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
     # Seed before building the model so the initial weights are the same on every rank.
-    # (DDP also copies rank 0's weights to the others when it wraps the model.)
     torch.manual_seed(args.seed)
     model = WineMLP(dev0, dev1)
-    # device_ids and output_device stay unset (None). They tell DDP the one device a module
-    # lives on, so that DDP moves the inputs there and the output to output_device. This module
-    # spans two devices and moves its own tensors, so DDP requires device_ids=None and then
-    # leaves inputs and outputs where the module puts them.
+    # No device_ids: they name the one device a module lives on, for DDP to move the inputs to.
+    # This module spans two and moves its own tensors, so DDP requires device_ids=None.
     model = DDP(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
@@ -360,34 +316,24 @@ def worker(rank, args):
 
 
 def launch(args):
-    """Plan the devices, pick backend and port, then start one process per rank; or, under
-    torchrun, which has started them already, be one rank."""
     args.start_time = time.time()
-    if started_by_torchrun():
-        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
-        # is a rank. The GPUs are planned for the ranks on this machine; the group spans all.
-        args.backend, _, args.devices, note = choose_backend(
+    if guard_rails.started_by_torchrun():
+        # torchrun has started the ranks and set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*:
+        # this process is one rank. The GPUs are planned for the ranks on this machine.
+        args.backend, _, args.devices = choose_backend(
             args.backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun's --nproc-per-node")
         args.world_size = int(os.environ["WORLD_SIZE"])
-        if note and os.environ["RANK"] == "0":
-            print(note, flush=True)
-        os.makedirs(args.out_dir, exist_ok=True)
         worker(int(os.environ["RANK"]), args)  # runs main, then ends this process
         return
-    args.backend, args.world_size, args.devices, note = choose_backend(args.backend,
-                                                                       args.world_size)
-    if note:
-        print(note, flush=True)
-    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
-    # loopback address; a port set in the environment wins, else any free one.
+    args.backend, args.world_size, args.devices = choose_backend(args.backend, args.world_size)
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
     check_master_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
-    # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
+    # Runs worker(rank, args) in world_size fresh Python processes, rank 0 .. world_size - 1.
     with spawn_guard("rank"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
 
@@ -405,14 +351,12 @@ def parse_args(argv=None):
                         help="write checkpoint.pt every N epochs")
     parser.add_argument("--out-dir", default="runs/05_model_parallel_ddp",
                         help="folder for checkpoint.pt, final.pt and metrics.json")
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="number of processes (default: one per pair of GPUs, 1 with one "
-                             "GPU, or 2 on the CPU)")
+    parser.add_argument("--world-size", type=int,
+                        help="number of processes (unset: GPUs / 2, at least 1; 2 on the CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when there are GPUs, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds a rank waits for the others (to start, or in any "
-                             "collective) before giving up with an error")
+                        help="seconds a rank waits for the others before it stops with an error")
     return check_args(parser.parse_args(argv))
 
 

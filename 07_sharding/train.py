@@ -1,23 +1,20 @@
 """Lesson 07: sharding, for a model whose training state no longer fits on one device.
 
 Lesson 02's program, with the training state split across the ranks instead of copied to each.
-DDP keeps a full copy of the parameters, gradients and optimizer state on every rank. ZeRO-1
-(--strategy zero1) gives each rank the optimizer state of its share of the parameters; FSDP
-(--strategy fsdp, FSDP2's fully_shard) gives each rank 1/N of every parameter, gradient and
-optimizer state, and gathers one layer at a time for forward and backward. All three take the
-same steps; the run prints the bytes each rank holds. torch.distributed.checkpoint saves each
-rank's shards in parallel, and a run resumes from them with any strategy and number of ranks.
-mp.spawn starts the ranks on one machine; torchrun, as in lesson 04, on one machine or several.
+DDP keeps all of it on every rank. ZeRO-1 (--strategy zero1) gives each rank the optimizer state
+of its share of the parameters; FSDP (--strategy fsdp, FSDP2's fully_shard) gives each rank 1/N
+of every parameter, gradient and optimizer state. All three take the same steps; the run prints
+the bytes each rank holds. torch.distributed.checkpoint saves every rank's shards, and a run
+resumes from them with any strategy and number of ranks. torchrun also starts it, as in lesson 04.
 
-Run it:
+Run it (each run its own --out-dir, or it resumes the finished checkpoint of the one before):
     python 07_sharding/train.py                                  # FSDP on every GPU, or 2 CPU ranks
-    python 07_sharding/train.py --strategy zero1 --world-size 4  # ZeRO-1, 4 CPU processes
-    python 07_sharding/train.py --strategy ddp --hidden 4096     # DDP on a wider model: more memory
-    CUDA_VISIBLE_DEVICES=0,1 python 07_sharding/train.py         # the first two GPUs, NCCL
-    torchrun --standalone --nproc-per-node 2 07_sharding/train.py  # torchrun starts the ranks
+    python 07_sharding/train.py --strategy zero1 --out-dir runs/07_zero1    # ZeRO-1
+    python 07_sharding/train.py --strategy ddp --out-dir runs/07_ddp        # lesson 02's DDP
+    python 07_sharding/train.py --hidden 4096 --epochs 2 --out-dir runs/07_fsdp_4096  # wider
+    torchrun --standalone --nproc-per-node 2 07_sharding/train.py --out-dir runs/07_torchrun
     torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST0 --master-port 29500 \
-        07_sharding/train.py --out-dir /shared/runs/07   # on node 0; node 1: --node-rank 1.
-                                                         # --out-dir: a folder every node sees
+        07_sharding/train.py --out-dir /shared/runs/07   # node 1: --node-rank 1; all nodes see it
 """
 
 import argparse
@@ -40,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
-    set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -69,8 +65,7 @@ from guard_rails import (
 # Setup helpers
 # ---------------------------------------------------------------------------------------------
 def choose_backend(requested, world_size, flag="--world-size"):
-    """NCCL when every rank can have its own GPU, else gloo on the CPU. flag names what set
-    the number of ranks on this machine: --world-size, or torchrun's --nproc-per-node."""
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
     gpus = torch.cuda.device_count()
     if requested == "nccl":
         if gpus == 0 or not dist.is_nccl_available():
@@ -88,34 +83,29 @@ def choose_backend(requested, world_size, flag="--world-size"):
 
 
 def find_free_port():
-    # Port 0 asks the operating system for any free port. Two jobs started at the same moment
-    # get different ports, where a fixed default such as 29500 would make the second one fail.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
         return sock.getsockname()[1]
 
 
 def setup_process_group(rank, local_rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
     if backend == "nccl":
-        # Pin this process to its own GPU before anything touches CUDA. Without it every rank
-        # would open a context on GPU 0, and NCCL would fail with "Duplicate GPU detected".
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
         # The local rank picks it: under torchrun on several nodes, each numbers its GPUs from 0.
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
-        # The ranks share the machine's cores: give each its share of threads, or they all
-        # start one thread per core and spend their time fighting over them.
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        # Under torchrun, LOCAL_WORLD_SIZE of them share this machine (only torchrun's counts).
+        ranks_here = int(os.environ["LOCAL_WORLD_SIZE"]) if started_by_torchrun() else world_size
         torch.set_num_threads(max(1, cores // ranks_here))
         device = torch.device("cpu")
-    # MASTER_ADDR and MASTER_PORT (set by launch or torchrun) tell every rank where rank 0
-    # listens. The timeout bounds the wait for the other ranks here, and every collective after
-    # it: a rank that never arrives ends the job with an error instead of a silent hang (the
-    # default is 10 minutes for NCCL, 30 for gloo).
-    dist.init_process_group(backend, store=restart_store(rank, world_size, timeout), rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            store=restart_store(rank, world_size, timeout),  # torchrun restarts
+                            timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
 
@@ -164,8 +154,8 @@ class WineDataset(Dataset):
 
 def load_data():
     """The same 142 training and 36 test wines in every lesson."""
-    # Imported here rather than at the top: only the ranks load data, so the launching process
-    # skips scikit-learn's import (about a second on a laptop) before it starts them.
+    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
+    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
     from sklearn.datasets import load_wine
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
@@ -183,12 +173,9 @@ def load_data():
 
 
 def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # DistributedSampler deals each rank a disjoint slice of a seeded permutation, the same
-    # permutation on every rank. If the data does not split evenly it repeats a few samples so
-    # that every rank runs the same number of steps (a rank with one step fewer would leave the
-    # others waiting forever in the gradient all-reduce). It shuffles, so the DataLoader doesn't.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed)
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
@@ -196,8 +183,8 @@ def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
 # Model
 # ---------------------------------------------------------------------------------------------
 class WineMLP(nn.Module):
-    """13 measurements -> 64 hidden units (--hidden) -> 3 cultivars. The names fc1 and fc2 are
-    the checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
+    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
+    checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
 
     def __init__(self, in_features=13, hidden=64, classes=3):
         super().__init__()
@@ -211,22 +198,16 @@ class WineMLP(nn.Module):
 def shard_model(model, strategy, device, world_size):
     """Wrap the model for the strategy: DDP (ddp, zero1) or FSDP2's fully_shard (fsdp)."""
     if strategy != "fsdp":
-        # device_ids names the one GPU this rank's model lives on; on the CPU it is left out.
+        # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # The mesh names the ranks that share the model and their device type. Given explicitly,
-    # because fully_shard's default mesh is on the accelerator whenever one exists, and it
-    # moves the parameters there: a gloo run on a GPU machine would put its CPU model on the
-    # GPU (_init_default_mesh in torch/distributed/fsdp/_fully_shard/_fsdp_init.py; reported
-    # as a crash in https://github.com/pytorch/pytorch/issues/132471).
+    # The mesh: the ranks that share the model, on this device type. Given explicitly, since
+    # fully_shard's default mesh is on the accelerator whenever one exists, and a gloo run's
+    # CPU model would move there (https://github.com/pytorch/pytorch/issues/132471).
     mesh = init_device_mesh(device.type, (world_size,))
-    # Each fully_shard call makes one unit: its parameters are cut into world_size slices
-    # along dim 0, and each rank keeps one slice (a DTensor). In forward and backward a unit
-    # is all-gathered whole, used, and freed again; its gradients are reduce-scattered, so each
-    # rank receives the averaged gradient of its own slice only. One unit per layer means a
-    # layer or two are whole at a time (the next one's all-gather may already be under way),
-    # never the model. The root call takes any parameters no layer took (none here) and runs
-    # the units' schedule. Unlike DDP, FSDP does not broadcast rank 0's weights: every rank
-    # cuts its slice from the model it built, so the seed before WineMLP() makes them agree.
+    # Each call makes one unit: its parameters are cut along dim 0, one slice (a DTensor) per
+    # rank. In forward and backward a unit is all-gathered whole, used and freed, and its
+    # gradients reduce-scattered: one layer is whole at a time, never the model. FSDP does not
+    # broadcast rank 0's weights as DDP does: each rank cuts its slice from the model it built.
     for layer in (model.fc1, model.fc2):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
@@ -235,9 +216,8 @@ def shard_model(model, strategy, device, world_size):
 def build_optimizer(model, strategy, lr):
     if strategy == "zero1":
         # ZeRO stage 1: every rank still holds all parameters and, after DDP's all-reduce, all
-        # gradients, but Adam's state (two tensors per parameter) only for its share of the
-        # parameters. Each rank steps its share, then broadcasts it to the others. The share
-        # is whole tensors, dealt largest first to the rank with the fewest elements so far.
+        # gradients, but Adam's state only for its share: whole tensors, dealt largest first.
+        # Each rank steps its share, then broadcasts it to the others.
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                        lr=lr)
     return torch.optim.Adam(model.parameters(), lr=lr)
@@ -258,9 +238,10 @@ class Trainer:
         self.out_dir = out_dir
         self.rank = rank
         self.world_size = world_size
-        # One flag gates printing and file writes, so N ranks don't print N copies.
-        self.is_main_process = rank == 0
+        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
         self.strategy = strategy
+        # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
+        self.adam = optimizer.optim if strategy == "zero1" else optimizer
         # Where training stands: what a checkpoint saves and a resume restores.
         self.checkpoint_dir = os.path.join(out_dir, "checkpoint")
         self.epochs_completed = 0
@@ -269,9 +250,8 @@ class Trainer:
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(features), labels)
-        # DDP's backward also all-reduces the gradients and divides them by world_size: the
-        # average of the ranks' batch-mean gradients is the gradient of the global batch, so
-        # every rank takes the step one process with world_size times the batch would take.
+        # In backward, DDP all-reduces the gradients and divides by world_size: the mean of the
+        # ranks' batch means is the global batch's mean gradient, the same step on every rank.
         # FSDP's backward reduce-scatters them instead: the same average, but each rank
         # receives only the slice that matches its slice of the parameters, and steps that.
         loss.backward()
@@ -280,8 +260,7 @@ class Trainer:
 
     def train_epoch(self, epoch):
         self.model.train()
-        # Reseed the sampler's shuffle, or every epoch deals the same samples in the same order.
-        self.train_loader.sampler.set_epoch(epoch)
+        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
         totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
         for features, labels in self.train_loader:
             features, labels = features.to(self.device), labels.to(self.device)
@@ -289,23 +268,18 @@ class Trainer:
             # mean is over samples, even when the last batch is smaller.
             totals[0] += self.train_step(features, labels) * len(labels)
             totals[1] += len(labels)
-        # Each rank only saw its own slice. Sum the slices' totals over all ranks, so the loss
-        # that rank 0 reports is the mean over every sample, not over rank 0's share.
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank's slice: the mean over all
         return (totals[0] / totals[1]).item()
 
     @torch.no_grad()
     def evaluate(self):
-        """Count correct predictions over the whole test set, each wine exactly once."""
+        """Count correct predictions over the whole test set."""
         self.model.eval()
-        # DistributedSampler would pad the 36 test wines to a multiple of world_size with
-        # repeats, and the repeats would be counted twice. A plain stride gives every wine to
-        # exactly one rank, some ranks get one fewer, and evaluation needs no lockstep.
+        # A stride: each test wine on exactly one rank (DistributedSampler would pad with repeats).
         features = self.test_set.features[self.rank::self.world_size].to(self.device)
         labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
-        # DDP's wrapped model (.module): evaluation needs none of DDP's synchronisation. FSDP's
-        # forward itself gathers each layer from every rank, so every rank must call it, even
-        # one whose slice of the test set is empty.
+        # The wrapped model (.module): evaluation needs none of DDP's synchronisation.
+        # Under FSDP every rank calls the model, even with no test wines: its forward gathers.
         model = self.model.module if isinstance(self.model, DDP) else self.model
         predictions = model(features).argmax(dim=1)
         counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
@@ -315,9 +289,7 @@ class Trainer:
     def memory_per_rank(self):
         """[parameters, gradients, optimizer state, peak] in bytes, one row per rank."""
         params = list(self.model.parameters())
-        # ZeroRedundancyOptimizer keeps its share of Adam's state in a plain Adam, .optim.
-        optimizer = self.optimizer.optim if self.strategy == "zero1" else self.optimizer
-        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        state = [t for s in self.adam.state.values() for t in s.values() if torch.is_tensor(t)]
         row = torch.tensor([local_bytes(params), local_bytes(p.grad for p in params),
                             local_bytes(state), peak_memory_bytes(self.device)],
                            device=self.device)
@@ -327,20 +299,10 @@ class Trainer:
 
     def training_state(self):
         """{"model": ..., "optimizer": ...}: tensors by parameter name, each rank's own shards."""
-        if self.strategy != "zero1":
-            # The same names under every strategy ("fc1.weight", no "module." prefix): what
-            # lets a checkpoint written by one strategy load into another.
-            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-            return {"model": model_state, "optimizer": optimizer_state["state"]}
-        # get_state_dict does not know ZeroRedundancyOptimizer: name its Adam's state here.
-        names = {p: name.removeprefix("module.") for name, p in self.model.named_parameters()}
-        adam = self.optimizer.optim
-        for p in adam.param_groups[0]["params"]:
-            if not adam.state[p]:  # Adam creates its state at the first step; make room to load
-                adam.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                 "exp_avg_sq": torch.zeros_like(p)}
-        return {"model": get_model_state_dict(self.model),
-                "optimizer": {names[p]: adam.state[p] for p in adam.param_groups[0]["params"]}}
+        # The same names under every strategy ("fc1.weight", no "module." prefix) let one
+        # strategy's checkpoint load into another. zero1: Adam's state of this rank's share.
+        model_state, optimizer_state = get_state_dict(self.model, self.adam)
+        return {"model": model_state, "optimizer": optimizer_state["state"]}
 
     def save_checkpoint(self):
         path = os.path.join(self.checkpoint_dir, f"epoch_{self.epochs_completed:04d}")
@@ -351,9 +313,8 @@ class Trainer:
                 json.dump({"epochs_completed": self.epochs_completed, "train_loss": self.losses,
                            "strategy": self.strategy, "world_size": self.world_size}, f)
         dist.barrier()  # the folder exists before any rank writes into it
-        # Every rank writes the tensors it holds to its own file, all at once; a tensor that
-        # several ranks hold whole is written by one of them. Rank 0 then writes .metadata:
-        # each tensor's global shape and which file holds which chunk of it.
+        # Every rank writes what it holds to its own file, all at once (a tensor held whole by
+        # several, once); rank 0 then writes .metadata: which file holds which chunk of what.
         dcp.save(self.training_state(), checkpoint_id=path)
         if self.is_main_process:  # this save is complete: older ones can go
             for old in glob.glob(os.path.join(self.checkpoint_dir, "epoch_*")):
@@ -367,12 +328,9 @@ class Trainer:
         # needs now: the checkpoint loads whatever strategy and number of ranks wrote it.
         state = self.training_state()
         dcp.load(state, checkpoint_id=path)
-        if self.strategy == "zero1":  # the loaded Adam state is already in place
-            set_model_state_dict(self.model, state["model"])
-        else:
-            _, optimizer_state = get_state_dict(self.model, self.optimizer)
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict={**optimizer_state, "state": state["optimizer"]})
+        _, optimizer_state = get_state_dict(self.model, self.adam)
+        set_state_dict(self.model, self.adam, model_state_dict=state["model"],
+                       optim_state_dict={**optimizer_state, "state": state["optimizer"]})
         self.epochs_completed = progress["epochs_completed"]
         self.losses = list(progress["train_loss"])
         return progress
@@ -399,11 +357,9 @@ def main(rank, local_rank, args):
     start = args.start_time  # set by launch, before the ranks were started
     device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
     train_set, test_set = load_data()
-    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank,
-                                      args.world_size)
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
     # Seed before building the model so the initial weights are the same on every rank.
-    # (DDP also copies rank 0's weights to the others when it wraps the model.)
     torch.manual_seed(args.seed)
     model = WineMLP(hidden=args.hidden).to(device)
     model = shard_model(model, args.strategy, device, args.world_size)
@@ -412,9 +368,7 @@ def main(rank, local_rank, args):
                       args.out_dir, rank, args.world_size, args.strategy)
 
     # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
-    # Rank 0 picks it and tells the others, so that every rank loads the same one; every rank
-    # reads its shards from that folder, so it must see it too, also on another node (see
-    # agree_on_checkpoint in guard_rails.py).
+    # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
     checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
     if checkpoint:
         progress = trainer.load_checkpoint(checkpoint)
@@ -423,6 +377,11 @@ def main(rank, local_rank, args):
                   f"epochs done, written by {progress['strategy']} on "
                   f"{progress['world_size']} ranks, loaded by {args.strategy} on "
                   f"{args.world_size}", flush=True)
+    resumed_after_epoch = trainer.epochs_completed  # 0: this run started from scratch
+    if resumed_after_epoch == args.epochs and trainer.is_main_process:
+        print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
+              "train; raise --epochs to train on, or choose another --out-dir to start afresh",
+              flush=True)
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}, "
               f"{args.strategy}): {len(train_set)} train / {len(test_set)} test wines, batch "
@@ -431,7 +390,8 @@ def main(rank, local_rank, args):
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
-    memory = trainer.memory_per_rank()  # before evaluating, which gathers layers again
+    # Before evaluating, which gathers layers again; a run that took no step has nothing to show.
+    memory = trainer.memory_per_rank() if resumed_after_epoch < args.epochs else []
     correct, total = trainer.evaluate()
     # The full, plain weights: gathered from every rank's shards (a collective, so every rank
     # takes part), onto rank 0's CPU alone. They load into lesson 01's model.
@@ -441,20 +401,21 @@ def main(rank, local_rank, args):
         return  # rank 0 holds every result now; it alone writes them
 
     torch.save(weights, os.path.join(args.out_dir, "final.pt"))
-    print(f"memory per rank ({args.strategy}, {args.world_size} ranks, hidden {args.hidden}), "
-          "bytes held after the last step:", flush=True)
-    print(f"{'rank':>4} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-          f"{'peak':>12}", flush=True)
-    for r, row in enumerate(memory):
-        print(f"{r:>4} " + " ".join(f"{n:>12,}" if n >= 0 else f"{'n/a':>12}" for n in row),
-              flush=True)
+    if memory:
+        print(f"memory per rank ({args.strategy}, {args.world_size} ranks, hidden "
+              f"{args.hidden}), bytes held after the last step:", flush=True)
+        print(f"{'rank':>4} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
+              f"{'peak':>12}", flush=True)
+        for r, row in enumerate(memory):
+            print(f"{r:>4} " + " ".join(f"{n:>12,}" if n >= 0 else f"{'n/a':>12}" for n in row),
+                  flush=True)
     metrics = {
         "lesson": "07_sharding",
         "strategy": args.strategy,
         "hidden": args.hidden,
         "world_size": args.world_size,
         "launcher": args.launcher,
-        "resumed_after_epoch": progress["epochs_completed"] if checkpoint else 0,
+        "resumed_after_epoch": resumed_after_epoch,
         "backend": args.backend,
         "device": device.type,
         "epochs": args.epochs,
@@ -468,8 +429,6 @@ def main(rank, local_rank, args):
         "test_accuracy": correct / total,
         "train_seconds": train_seconds,
         "wall_seconds": time.time() - start,
-        # Per rank, in bytes. peak: torch.cuda.max_memory_allocated on a GPU, the process's
-        # peak resident memory (ru_maxrss) on the CPU.
         "memory": [dict(zip(("parameters", "gradients", "optimizer_state", "peak"), row,
                             strict=True)) for row in memory],
         "peak_memory_measure": "cuda_max_allocated" if device.type == "cuda" else "max_rss",
@@ -506,25 +465,21 @@ def launch(args):
     args.launcher = "spawn"
     args.backend = choose_backend(args.backend, args.world_size)
     check_sharding(args, latest_checkpoint)  # the width and any checkpoint: see the guard rails
-    # Every rank connects to rank 0 at MASTER_ADDR:MASTER_PORT. On one machine that is the
-    # loopback address; a port set in the environment wins, else any free one.
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
     check_master_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(find_free_port()))
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # spawn starts world_size fresh Python processes and calls worker(rank, args) in each,
-    # with rank = 0 .. world_size - 1. If one fails, spawn stops the others and raises.
-    with spawn_guard("rank", then=". Run the same command again to resume from the last "
-                     "checkpoint"):
+    # Runs worker(rank, args) in world_size fresh Python processes, rank 0 .. world_size - 1.
+    with spawn_guard("rank", then=". Run it again to resume from the last checkpoint"):
         mp.spawn(worker, args=(args,), nprocs=args.world_size)
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 07: train the wine MLP with DDP, ZeRO-1 or FSDP (mp.spawn or "
-                    "torchrun).",
+        description="Lesson 07: train the wine MLP with DDP, ZeRO-1 or FSDP.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
@@ -535,14 +490,12 @@ def parse_args(argv=None):
                         help="write a checkpoint every N epochs")
     parser.add_argument("--out-dir", default="runs/07_sharding",
                         help="folder for checkpoint/, final.pt and metrics.json")
-    parser.add_argument("--world-size", type=int,
-                        default=torch.cuda.device_count() or 2,
+    parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
                         help="number of processes (default: one per GPU, or 2 on the CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when every rank has its own GPU, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds a rank waits for the others (to start, or in any "
-                             "collective) before giving up with an error")
+                        help="seconds a rank waits for the others before it stops with an error")
     parser.add_argument("--strategy", default="fsdp", choices=["ddp", "zero1", "fsdp"],
                         help="ddp: everything on every rank; zero1: the optimizer state "
                         "sharded; fsdp: parameters, gradients and optimizer state sharded")

@@ -14,11 +14,11 @@ PATCH is one of:
   count-all-reduces
                   a DDP communication hook counts the gradient all-reduces; at the end each rank
                   prints "rank <rank>: <n> gradient all-reduces in <steps> optimizer steps"
+  count-all-reduces-without-no-sync
+                  the same count, with DDP's no_sync doing nothing, so that every backward
+                  all-reduces (lesson 06's control)
   loss-not-divided
                   each micro-batch's loss is not divided by --accumulate (lesson 06's control)
-  step-every-micro-batch
-                  the optimizer steps after every micro-batch, whose loss is still divided by
-                  --accumulate (lesson 06's control)
   stall-rank-1    rank 1 sleeps for 5 minutes at the start of its second epoch (a rank that
                   hangs), so its peers wait in their next collective until --timeout
   no-gradient-sync
@@ -31,6 +31,7 @@ spawn starts each rank by re-running this file's top level (as __mp_main__), so 
 applied in every rank, not only in the launching process.
 """
 
+import contextlib
 import importlib.util
 import io
 import os
@@ -137,12 +138,6 @@ class LossTimes:
         return torch.nn.functional.cross_entropy(*args, **kwargs) * self.factor
 
 
-def step_every_micro_batch(self, micro_batches):
-    # The bug: an optimizer step after each micro-batch. Each step sees one micro-batch, so the
-    # lesson divides its loss by 1; LossTimes divides it by K, as the naive loop would.
-    losses = [original_train_step(self, [micro_batch]) * len(micro_batch[1])
-              for micro_batch in micro_batches]
-    return sum(losses) / sum(len(labels) for _, labels in micro_batches)
 def keep_local_gradients(_state, bucket):
     future = torch.futures.Future()
     future.set_result(bucket.buffer())
@@ -161,7 +156,6 @@ def reduce_scatter_without_sum(output, input, group=None, op=None, async_op=Fals
 
 original_train_epoch = lesson.Trainer.train_epoch
 original_train = lesson.Trainer.train
-original_train_step = getattr(lesson.Trainer, "train_step", None)
 original_ddp = lesson.DDP
 original_save = torch.save
 original_save_atomically = getattr(lesson, "save_atomically", None)
@@ -178,13 +172,14 @@ elif patch == "log-writes":
 elif patch == "count-all-reduces":
     lesson.DDP = counting_ddp
     lesson.Trainer.train = train_and_report
+elif patch == "count-all-reduces-without-no-sync":
+    lesson.DDP = counting_ddp
+    lesson.Trainer.train = train_and_report
+    DistributedDataParallel.no_sync = lambda self: contextlib.nullcontext()
 elif patch == "loss-not-divided":
     # The lesson weights each micro-batch's loss by its share of the step, 1/K for equal
     # micro-batches; multiplying by K undoes that.
     lesson.F = LossTimes(accumulate_from_argv())
-elif patch == "step-every-micro-batch":
-    lesson.F = LossTimes(1 / accumulate_from_argv())
-    lesson.Trainer.train_step = step_every_micro_batch
 elif patch == "no-gradient-sync":
     lesson.DDP = DDPWithoutAllReduce
     dist.reduce_scatter_single = reduce_scatter_without_sum

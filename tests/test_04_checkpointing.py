@@ -149,9 +149,8 @@ def test_only_global_rank_0_writes_each_snapshot(lesson_run, uninterrupted):
     assert_bitwise_equal(out_dir, uninterrupted(2))
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_a_snapshot_resumes_with_another_world_size(crashed, uninterrupted, tmp_path, before,
-                                                    after):
+def test_a_snapshot_resumes_with_another_world_size(crashed, uninterrupted, tmp_path):
+    before, after = 2, 1
     _, out_dir = crashed(before, tmp_path / "run")
     result = run_lesson(LESSON, *CPU, *SHORT, "--world-size", after, "--out-dir", out_dir)
     metrics = assert_good_run_resumed(result, out_dir, after)
@@ -162,6 +161,26 @@ def test_a_snapshot_resumes_with_another_world_size(crashed, uninterrupted, tmp_
     assert metrics["train_loss"][-1] < metrics["train_loss"][0]
     assert metrics["test_accuracy"] >= 0.9
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def test_a_finished_snapshot_leaves_nothing_to_train(uninterrupted, tmp_path):
+    # A finished 1-rank run, resumed by 2 ranks: nothing to train, one line that says what to do,
+    # and final.pt and metrics.json written again from the snapshot's weights.
+    reference = uninterrupted(1)
+    shutil.copy(reference / "snapshot.pt", tmp_path / "snapshot.pt")
+    result = run_lesson(LESSON, *CPU, *SHORT, "--world-size", 2, "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    notes = [line for line in result.stdout.splitlines() if "nothing left to train" in line]
+    assert notes == [f"note: {tmp_path / 'snapshot.pt'} already holds all 6 epochs: nothing left "
+                     "to train; raise --epochs to go on, or another --out-dir starts afresh"]
+    # No epoch trained, and no figure that would say otherwise.
+    for absent in ("epoch ", "training on", "global batch", "resuming"):
+        assert absent not in result.stdout, result.stdout
+    assert result.stdout.count("test accuracy:") == 1
+    metrics = read_metrics(tmp_path)
+    assert (metrics["world_size"], metrics["resumed_after_epoch"]) == (2, 6)
+    assert metrics["test_correct"] == read_metrics(reference)["test_correct"]
+    assert_bitwise_equal(tmp_path, reference)
 
 
 def write_bad_snapshot(kind, out_dir, good_dir):

@@ -100,7 +100,7 @@ def test_device_plan_takes_a_smaller_world_size_and_any_on_the_cpu():
         (4, 3, ["--world-size 3 needs 6 GPUs (2 per rank)", "use --world-size 2"]),
         (1, 2, ["needs 4 GPUs", "use --world-size 1 or --backend gloo"]),
         (2, 2, ["needs 4 GPUs", "use --world-size 1"]),
-        (3, 2, ["but 3 are visible", "use --world-size 1"]),
+        (3, 2, ["but 3 visible", "use --world-size 1"]),
     ],
 )
 def test_device_plan_refuses_too_many_ranks(gpus, world_size, fragments):
@@ -158,9 +158,12 @@ def test_cpu_ranks_share_the_cores_of_their_own_machine(monkeypatch):
     monkeypatch.setattr(lesson.dist, "init_process_group", lambda *args, **kwargs: None)
     monkeypatch.setattr(lesson.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # what torchrun sets in every rank
     lesson.setup_process_group(3, 4, "gloo", "cpu", 120)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    lesson.setup_process_group(3, 4, "gloo", "cpu", 120)  # mp.spawn: every rank is on this machine
+    # mp.spawn: every rank is on this machine, even where a cluster's environment exports
+    # LOCAL_WORLD_SIZE to every process; only torchrun's own value counts.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    lesson.setup_process_group(3, 4, "gloo", "cpu", 120)
     assert threads == [4, 2]
 
 

@@ -216,6 +216,9 @@ def test_zero1s_checkpoint_loads_bitwise_into_ddp_on_one_rank(lesson_run, tmp_pa
                         tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "20 of 20 epochs done, written by zero1 on 2 ranks, loaded by ddp on 1" in result.stdout
+    # Nothing trained here: one line says so, and no table shows 0 bytes of gradients.
+    assert "epoch_0020 already holds all 20 epochs: nothing left to train" in result.stdout
+    assert "memory per rank" not in result.stdout
     reference = load_weights(zero1)
     assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
 
