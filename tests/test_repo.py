@@ -106,3 +106,23 @@ def test_a_lesson_folder_copied_alone_still_starts(tmp_path):
                             cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "--world-size" in result.stdout
+
+
+# A lesson reads in one sitting: its diff from the lesson it builds on adds about a hundred
+# lines (07, with three strategies and a sharded checkpoint, about 250), its README about 300.
+DIFF_LIMIT = {"07_sharding": 250}
+README_LIMIT = 300
+
+
+LESSONS = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_each_lesson_reads_in_one_sitting(lesson):
+    for diff in (ROOT / lesson).glob("from_*.diff"):
+        added = [line for line in diff.read_text().splitlines()
+                 if line.startswith("+") and not line.startswith("+++") and line[1:].strip()]
+        limit = DIFF_LIMIT.get(lesson, 120)
+        assert len(added) <= limit, f"{diff.name} adds {len(added)} lines, more than {limit}"
+    lines = len((ROOT / lesson / "README.md").read_text().splitlines())
+    assert lines <= README_LIMIT, f"{lesson}/README.md has {lines} lines, more than {README_LIMIT}"

@@ -1,10 +1,11 @@
 """Time each lesson's default run, and what of it is start-up rather than training.
 
-    python tools/time_lessons.py            # every lesson, 3 runs each
+    python tools/time_lessons.py            # every lesson, 3 runs each, in rounds
     python tools/time_lessons.py --runs 5 02_multi_gpu_spawn
 
 For each lesson it runs `python <lesson>/train.py` with no arguments in a scratch folder and
-reports the median wall time seen from outside, the training loop's time (train_seconds in
+reports the median wall time seen from outside (with the fastest and slowest run), the training
+loop's time (train_seconds in
 metrics.json), and the rest: interpreter start, imports, process spawn, process-group set-up and
 exit. Then it times the pieces that make up that rest, each in a fresh interpreter.
 """
@@ -52,17 +53,23 @@ def main():
     args = parser.parse_args()
     lessons = args.lessons or sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
 
-    print(f"{'lesson (default run)':32} {'wall s':>7} {'training s':>11} {'start-up+exit s':>16}")
-    for lesson in lessons:
-        walls, trains = [], []
-        for _ in range(args.runs):
+    # Round robin, one run of each lesson per round: a slow spell of the machine then touches
+    # every lesson alike instead of one lesson's runs.
+    walls = {lesson: [] for lesson in lessons}
+    trains = {lesson: [] for lesson in lessons}
+    for _ in range(args.runs):
+        for lesson in lessons:
             with tempfile.TemporaryDirectory() as cwd:
                 seconds, _ = wall([sys.executable, str(ROOT / lesson / "train.py")], cwd=cwd)
                 metrics = json.loads((Path(cwd) / "runs" / lesson / "metrics.json").read_text())
-            walls.append(seconds)
-            trains.append(metrics["train_seconds"])
-        w, t = statistics.median(walls), statistics.median(trains)
-        print(f"{lesson:32} {w:7.2f} {t:11.2f} {w - t:16.2f}")
+            walls[lesson].append(seconds)
+            trains[lesson].append(metrics["train_seconds"])
+    print(f"{'lesson (default run)':32} {'wall s':>7} {'(min-max)':>11} {'training s':>11} "
+          f"{'start-up+exit s':>16}")
+    for lesson in lessons:
+        w, t = statistics.median(walls[lesson]), statistics.median(trains[lesson])
+        spread = f"{min(walls[lesson]):.2f}-{max(walls[lesson]):.2f}"
+        print(f"{lesson:32} {w:7.2f} {spread:>11} {t:11.2f} {w - t:16.2f}")
 
     print(f"\n{'start-up piece (fresh interpreter)':40} {'median s':>9}")
     for name, code in PIECES.items():

@@ -96,8 +96,8 @@ def worker(rank, world_size, backend):
             agree = all(abs(value - truth) < 1e-4 for value in synced)
             say(f"fix: SyncBatchNorm gives every rank the statistics of the global batch: {agree}")
     dist.destroy_process_group()
-    # Leave at once, as the lessons do (leave_process in 02_multi_gpu_spawn/train.py): gloo's
-    # threads can abort Python's teardown of a finished rank (pytorch/pytorch#190489).
+    # Leave at once, as the lessons do (leave_process in guard_rails.py): gloo's threads can abort
+    # Python's teardown of a finished rank (notes/teardown_abort.md, pytorch/pytorch#190489).
     sys.stdout.flush()
     os._exit(0)
 

@@ -94,8 +94,8 @@ def worker(rank):
             option = ", ".join(f"{key}={value}" for key, value in fix.items())
             say(f"fix: DDP(model, {option}): 3 steps, the same weights on both ranks: {agree}")
     dist.destroy_process_group()
-    # Leave at once, as the lessons do (leave_process in 02_multi_gpu_spawn/train.py): gloo's
-    # threads can abort Python's teardown of a finished rank (pytorch/pytorch#190489).
+    # Leave at once, as the lessons do (leave_process in guard_rails.py): gloo's threads can abort
+    # Python's teardown of a finished rank (notes/teardown_abort.md, pytorch/pytorch#190489).
     sys.stdout.flush()
     os._exit(0)
 
