@@ -12,6 +12,7 @@ import pytest
 from helpers import ROOT
 
 LESSON_SCRIPTS = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
+LESSONS = sorted(p.parent for p in ROOT.glob("[0-9][0-9]_*/train.py"))  # 01 to 07, not 00
 # What a lesson may import: the standard library and the packages in requirements.txt.
 ALLOWED_TOP_LEVEL = set(sys.stdlib_module_names) | {"torch", "torchvision", "sklearn", "numpy"}
 # Unix-only modules: a lesson imports none at module level, or it cannot start on Windows.
@@ -40,8 +41,7 @@ def test_diff_check_fails_when_a_lesson_changes_alone(tmp_path):
 
 
 def test_every_lesson_after_the_first_has_a_diff():
-    lessons = sorted(p.parent for p in ROOT.glob("[0-9][0-9]_*/train.py"))
-    for lesson in lessons[1:]:
+    for lesson in LESSONS[1:]:
         assert list(lesson.glob("from_*.diff")), f"{lesson.name} has no generated diff"
 
 
@@ -91,11 +91,10 @@ def test_guard_rails_are_the_same_file_in_every_lesson():
     # The diff from one lesson to the next then shows only what the lesson teaches. A fix made
     # in one copy and not the others fails here: copy it to every lesson folder
     # (for d in 0*/; do cp 01_single_gpu/guard_rails.py "$d"; done).
-    lessons = sorted(p.parent for p in ROOT.glob("[0-9][0-9]_*/train.py"))
-    reference = (lessons[0] / "guard_rails.py").read_bytes()
-    for lesson in lessons:
+    reference = (LESSONS[0] / "guard_rails.py").read_bytes()
+    for lesson in LESSONS:
         assert (lesson / "guard_rails.py").read_bytes() == reference, (
-            f"{lesson.name}/guard_rails.py differs from {lessons[0].name}'s")
+            f"{lesson.name}/guard_rails.py differs from {LESSONS[0].name}'s")
 
 
 def test_a_lesson_folder_copied_alone_still_starts(tmp_path):
@@ -114,15 +113,12 @@ DIFF_LIMIT = {"07_sharding": 250}
 README_LIMIT = 300
 
 
-LESSONS = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
-
-
-@pytest.mark.parametrize("lesson", LESSONS)
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
 def test_each_lesson_reads_in_one_sitting(lesson):
-    for diff in (ROOT / lesson).glob("from_*.diff"):
+    for diff in lesson.glob("from_*.diff"):
         added = [line for line in diff.read_text().splitlines()
                  if line.startswith("+") and not line.startswith("+++") and line[1:].strip()]
-        limit = DIFF_LIMIT.get(lesson, 120)
+        limit = DIFF_LIMIT.get(lesson.name, 120)
         assert len(added) <= limit, f"{diff.name} adds {len(added)} lines, more than {limit}"
-    lines = len((ROOT / lesson / "README.md").read_text().splitlines())
-    assert lines <= README_LIMIT, f"{lesson}/README.md has {lines} lines, more than {README_LIMIT}"
+    lines = len((lesson / "README.md").read_text().splitlines())
+    assert lines <= README_LIMIT, f"{lesson.name}/README.md: {lines} lines, over {README_LIMIT}"
