@@ -13,6 +13,7 @@ fails until it has. For executed copies (they land in runs/, which git ignores):
     jupyter nbconvert --to notebook --execute --output-dir runs/notebooks/executed notebooks/*.ipynb
 """
 
+import ast
 import json
 import os
 import subprocess
@@ -185,3 +186,46 @@ def test_notebook_runs_top_to_bottom(path, jupyter_path, tmp_path, monkeypatch):
     # It ran its lesson's script as a separate process, and that printed its results.
     for fragment in [f"$ python {path.stem}/train.py", *EXPECTED_TEXT[path.stem]]:
         assert fragment in printed, f"{path.name} did not print {fragment!r}"
+
+
+def rank_runs(notebook):
+    """The arguments of every run of several ranks a notebook starts (run_lesson calls and
+    command lists naming --world-size or --nproc-per-node), with *name and *map(str, name)
+    expanded from the notebook's own list assignments."""
+    code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
+    code = code.replace("%matplotlib inline", "")  # IPython's, not Python's
+    tree = ast.parse(code)
+    lists = {node.targets[0].id: node.value for node in ast.walk(tree)
+             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+             and isinstance(node.value, ast.List)}
+
+    def strings(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Starred):
+                node = node.value
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "map":
+                    node = node.args[1]
+                if isinstance(node, ast.Name) and node.id in lists:
+                    yield from strings(lists[node.id].elts)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                yield node.value
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "run_lesson":
+            found = list(strings(node.args))
+        elif isinstance(node, ast.List):
+            found = list(strings(node.elts))
+        else:
+            continue
+        if {"--world-size", "--nproc-per-node"} & set(found):
+            yield found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_ranks_run_on_gloo(path):
+    # The notebooks' figures and printed checks are the CPU's; on a machine with 2 or more GPUs,
+    # a run of several ranks without --backend gloo would pick NCCL instead.
+    runs = list(rank_runs(read(path)))
+    assert runs or path.stem == LESSONS[0], f"{path.name}: no run of several ranks found"
+    for args in runs:
+        assert "gloo" in args, f"{path.name} runs several ranks without --backend gloo: {args}"
