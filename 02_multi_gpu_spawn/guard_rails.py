@@ -527,16 +527,27 @@ def check_practice_args(args):
         fail("--precision fp16 needs CUDA GPUs (fp16 autocast with a GradScaler); on the CPU "
              "use --precision bf16")
     if args.compile:
-        # torch.compile's CPU code (and its GPU launchers) are C++ that Inductor compiles with
-        # $CXX, else g++ (clang++ on macOS, cl on Windows): torch/_inductor/config.py, cpp.cxx.
-        default = {"darwin": "clang++", "win32": "cl"}.get(sys.platform, "g++")
-        compiler = os.environ.get("CXX", default)
-        if shutil.which(compiler) is None:
-            fail(f"--compile needs a C++ compiler and {compiler} is not on the PATH; install "
-                 "one (or set CXX to it), or leave out --compile")
         if on_gpu and importlib.util.find_spec("triton") is None:
             fail("--compile on GPUs needs triton (pip install triton), or leave out --compile")
+        language, variable, compiler = compiler_for_compile(on_gpu)
+        if compiler is None or shutil.which(compiler) is None:
+            found = f"{compiler} is not" if compiler else "neither gcc nor clang is"
+            fail(f"--compile needs a {language} compiler and {found} on the PATH; install one "
+                 f"(or set {variable} to it), or leave out --compile")
     return args
+
+
+def compiler_for_compile(on_gpu):
+    """The compiler torch.compile will call: (language, its variable, the command or None).
+
+    On GPUs, Inductor's kernels are Triton's, and Triton builds its kernel launchers from C
+    with $CC, else gcc, else clang (triton/runtime/build.py, _find_compiler). On the CPU,
+    Inductor's kernels are C++, built with $CXX, else g++ (clang++ on macOS, cl on Windows):
+    torch/_inductor/config.py, cpp.cxx."""
+    if on_gpu:
+        return "C", "CC", os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    default = {"darwin": "clang++", "win32": "cl"}.get(sys.platform, "g++")
+    return "C++", "CXX", os.environ.get("CXX", default)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ The CPU tier runs 2 gloo ranks (and 1 for the single-process reference). Most te
 same few runs from different sides (the lesson_run cache launches each once). The GPU tier, at
 the end, is skipped with the reason where no CUDA GPU is visible."""
 
+import importlib.util
 import math
 import os
 import re
@@ -204,7 +205,14 @@ def test_bad_input_gets_one_clear_line_before_any_rank_starts(tmp_path):
                                         "--precision bf16"]),
     ([*CPU, "--compile"], {"CXX": "no-such-compiler"},
      ["--compile needs a C++ compiler", "no-such-compiler", "leave out --compile"]),
-], ids=["fp16 on the CPU", "compile without a compiler"])
+    # On GPUs the compiler is Triton's C compiler, not Inductor's C++ one. Shown here without a
+    # GPU: --backend nccl is checked with the flags, before any rank needs a GPU.
+    pytest.param(["--backend", "nccl", "--compile"], {"CC": "no-such-c-compiler"},
+                 ["--compile needs a C compiler", "no-such-c-compiler", "set CC"],
+                 marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                          reason="triton is not installed: the GPU check "
+                                                 "stops at its absence first")),
+], ids=["fp16 on the CPU", "compile without a compiler", "compile on GPUs without a C compiler"])
 def test_what_the_device_cannot_do_is_refused_with_the_flags(args, env, fragments, monkeypatch):
     # Checked with the flags (parse_args), the same checks as the refusal above: in this process.
     for name, value in env.items():
@@ -242,6 +250,9 @@ def test_gpu_mixed_precision(lesson_run, precision):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")),
+                    reason="torch.compile on GPUs needs a C compiler for Triton ($CC, gcc or "
+                           "clang)")
 def test_gpu_compile_matches_eager(lesson_run):
     result, compiled = lesson_run(LESSON, *GPU, *CLIP, "--compile")
     assert_good_run(result, compiled, world_size=NCCL_WORLD, min_accuracy=0.95)
