@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -195,15 +195,17 @@ class WineMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
-def shard_model(model, strategy, device, world_size):
+def shard_model(model, strategy, device):
     """Wrap the model for the strategy: DDP (ddp, zero1) or FSDP2's fully_shard (fsdp)."""
     if strategy != "fsdp":
         # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # The mesh: the ranks that share the model, on this device type. Given explicitly, since
-    # fully_shard's default mesh is on the accelerator whenever one exists, and a gloo run's
-    # CPU model would move there (https://github.com/pytorch/pytorch/issues/132471).
-    mesh = init_device_mesh(device.type, (world_size,))
+    # The mesh: the ranks that share the model, on this device type, over our process group.
+    # Given explicitly, since fully_shard's default mesh is on the accelerator whenever one
+    # exists, and a gloo run's CPU model would move there (pytorch/pytorch#132471). From our
+    # group, since init_device_mesh makes a new one, with the 30-minute default timeout instead
+    # of --timeout, for a gloo group on a machine with CUDA (torch/distributed/device_mesh.py).
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     # Each call makes one unit: its parameters are cut along dim 0, one slice (a DTensor) per
     # rank. In forward and backward a unit is all-gathered whole, used and freed, and its
     # gradients reduce-scattered: one layer is whole at a time, never the model. FSDP does not
@@ -362,7 +364,7 @@ def main(rank, local_rank, args):
     # Seed before building the model so the initial weights are the same on every rank.
     torch.manual_seed(args.seed)
     model = WineMLP(hidden=args.hidden).to(device)
-    model = shard_model(model, args.strategy, device, args.world_size)
+    model = shard_model(model, args.strategy, device)
     optimizer = build_optimizer(model, args.strategy, args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size, args.strategy)

@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -253,7 +253,9 @@ def shard_fully(model, case, device):
     takes the stem convolution, its batch norm and the classifier). The mesh is given
     explicitly on the rank's device type, as in lesson 07: fully_shard's default mesh would move
     a CPU (gloo) model to a GPU whenever one exists."""
-    mesh = init_device_mesh(device.type, (case["world_size"],))
+    # From the process group itself: init_device_mesh would make a new group, with the 30-minute
+    # default timeout instead of --timeout, for a gloo group on a machine with CUDA.
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     if case["model"] == "wine-mlp":
         units = [model.fc1, model.fc2]
     else:

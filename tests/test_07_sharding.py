@@ -9,6 +9,7 @@ under another strategy and world size, and across nodes after a torchrun restart
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -364,3 +365,33 @@ def test_gpu_checkpoint_resumes_bitwise(lesson_run, tmp_path):
     reference = load_weights(uninterrupted)
     assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
     assert json.loads((tmp_path / "metrics.json").read_text())["resumed_after_epoch"] == 2
+
+
+# The mesh FSDP shards over, on a machine with CUDA and a gloo group. Shown on the CPU by making
+# torch believe that CUDA exists: init_device_mesh would then make a second group, with the
+# 30-minute default timeout (torch/distributed/device_mesh.py); the lesson's mesh is its own
+# group, with --timeout.
+MESH_TIMEOUTS = """
+import datetime, sys
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+sys.path.insert(0, sys.argv[1])
+import train
+
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=7))
+torch.cuda.is_available = lambda: True
+train.shard_model(train.WineMLP(), "fsdp", torch.device("cpu"))
+for group in distributed_c10d._world.pg_map:
+    print("group timeout:", group._get_backend(torch.device("cpu")).options._timeout)
+"""
+
+
+def test_the_fsdp_mesh_keeps_the_timeout_where_cuda_exists(tmp_path):
+    result = subprocess.run([sys.executable, "-c", MESH_TIMEOUTS, str(ROOT / LESSON),
+                             str(tmp_path / "store")], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    timeouts = [line for line in result.stdout.splitlines() if line.startswith("group timeout")]
+    assert timeouts == ["group timeout: 0:00:07"], result.stdout
