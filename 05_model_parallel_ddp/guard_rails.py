@@ -16,6 +16,7 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -159,9 +160,24 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
             raise  # this rank's own failure: spawn shows its traceback and names the rank
     finally:
         # Also when training fails, so this rank does not leave its peers hanging.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(failed=code != 0)
     leave_process(code)  # the work ended well (0), or with its one line (1) or Ctrl-C (130)
+
+
+def leave_group(failed):
+    """Leave the process group: destroy it after work that ended well; after a failure, with
+    NCCL, abort it instead. destroy_process_group waits for every NCCL collective this rank has
+    started to finish (ProcessGroupNCCL::shutdown flushes them), and a collective that peers
+    will never join, because they stopped or were lost, would hold this rank until NCCL's
+    watchdog ends it at --timeout. An abort (ncclCommAbort) ends those collectives at once:
+    torch.distributed's _abort_process_group, private and NCCL-only in torch 2.14. gloo's
+    destroy does not wait for peers."""
+    if not dist.is_initialized():
+        return
+    if failed and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 def lost_contact_line(error, rank, args, meet_fix, lost_fix):
@@ -196,10 +212,18 @@ def leave_process(code=0):
 
 def is_lost_contact(error):
     """Whether error says that the other ranks did not come, went away or stalled: the store's
-    and the network's errors, or a backend's (gloo, NCCL) whose text says so. Any other backend
-    error, such as NCCL's "Duplicate GPU detected", is this rank's own and keeps its traceback.
-    In backward, autograd hands on gloo's error as a plain RuntimeError, hence the look at the
-    text."""
+    and the network's errors, or gloo's whose text says so (in backward, autograd hands gloo's
+    error on as a plain RuntimeError, hence the look at the text), or NCCL's where one reaches
+    Python ("remote process exited"). Any other backend error, such as NCCL's "Duplicate GPU
+    detected", is this rank's own and keeps its traceback.
+
+    With NCCL, a peer that is lost or stalls in a collective usually raises nothing: NCCL's
+    watchdog ends this rank at --timeout with SIGABRT (spawn_guard's line says so), as
+    PyTorch's default TORCH_NCCL_ASYNC_ERROR_HANDLING asks. That default is kept on purpose:
+    CUDA runs collectives asynchronously, and code that went on after a failed one could compute
+    on corrupted data (init_process_group's docs). TORCH_NCCL_BLOCKING_WAIT=1 would raise
+    instead, but only from a wait on the collective, it turns the watchdog's error handling off
+    (ProcessGroupNCCL's constructor), and its blocking waits cost time on every step."""
     if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)):
         return True
     signs = ("connection reset by peer", "connection closed by peer", "connection refused",
@@ -222,8 +246,30 @@ def spawn_guard(what, then=""):
             raise KeyboardInterrupt from None  # a rank stopped by Ctrl-C
         if error.exit_code == 1:
             sys.exit(1)  # the rank stopped with its own one-line error, printed above
-        fail(f"{what} {error.error_index} died with exit code {error.exit_code} (killed, or out "
-             f"of memory?); the other {what}s were stopped{then}")
+        fail(f"{what} {error.error_index} {how_it_died(error.exit_code, what)}; the other "
+             f"{what}s were stopped{then}")
+
+
+def how_it_died(exit_code, what="rank"):
+    """What a rank's exit code says about its end, for spawn_guard's line. A negative exit code
+    is the signal that ended the process (multiprocessing's convention)."""
+    try:
+        name = signal.Signals(-exit_code).name if exit_code < 0 else None
+    except ValueError:
+        name = f"signal {-exit_code}"
+    if name == "SIGABRT":
+        # NCCL's watchdog aborts a rank whose collective waited longer than the group's timeout
+        # (see is_lost_contact); its own lines above say "Watchdog caught collective operation
+        # timeout".
+        return (f"was aborted (SIGABRT): with NCCL, that is how a {what} ends whose collective "
+                f"waited longer than --timeout, because another {what} stopped or stalled (its "
+                "output says which; raise --timeout if it was only slow)")
+    if name == "SIGKILL":
+        return ("was killed (SIGKILL): by the out-of-memory killer (the kernel's log, dmesg, "
+                "says so), by hand, or by a job scheduler")
+    if name:
+        return f"was ended by {name}"
+    return f"died with exit code {exit_code}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ PATCH is one of:
                   each micro-batch's loss is not divided by --accumulate (lesson 06's control)
   stall-rank-1    rank 1 sleeps for 5 minutes at the start of its second epoch (a rank that
                   hangs), so its peers wait in their next collective until --timeout
+  abort-rank-1    rank 1 ends with SIGABRT at the start of its second epoch, as NCCL's watchdog
+                  ends a rank whose collective waited longer than --timeout
   no-gradient-sync
                   gradients are never combined across ranks: DDP keeps each rank's own (a
                   communication hook that skips the all-reduce), and FSDP's reduce-scatter hands
@@ -72,6 +74,12 @@ def raise_on_rank_1(self, epoch):
 def stall_rank_1(self, epoch):
     if self.rank == 1 and epoch == 1:
         time.sleep(300)
+    return original_train_epoch(self, epoch)
+
+
+def abort_rank_1(self, epoch):
+    if self.rank == 1 and epoch == 1:
+        os.abort()
     return original_train_epoch(self, epoch)
 
 
@@ -167,6 +175,8 @@ elif patch == "die-while-saving":
     torch.save = die_while_saving
 elif patch == "stall-rank-1":
     lesson.Trainer.train_epoch = stall_rank_1
+elif patch == "abort-rank-1":
+    lesson.Trainer.train_epoch = abort_rank_1
 elif patch == "log-writes":
     lesson.save_atomically = log_writes
 elif patch == "count-all-reduces":

@@ -244,6 +244,32 @@ def test_a_stalled_rank_ends_the_job_within_the_timeout(lesson_run):
     assert time.monotonic() - start < 150
 
 
+def test_a_rank_aborted_as_by_nccls_watchdog_is_told_as_a_timeout_not_memory(tmp_path):
+    # With NCCL, a collective that waits longer than --timeout ends its rank with SIGABRT (the
+    # watchdog); no Python exception is raised. Shown on gloo by aborting rank 1 the same way.
+    result = run_lesson(LESSON, *CPU, "--world-size", 2, "--epochs", 2, "--out-dir", tmp_path,
+                        patch="abort-rank-1")
+    line = assert_one_line_error(result, "rank 1 was aborted (SIGABRT)", "longer than --timeout",
+                                 "the other ranks were stopped")
+    assert "memory" not in line
+
+
+def test_leaving_the_group_after_a_failure_aborts_nccl_and_destroys_gloo(monkeypatch):
+    # destroy_process_group would wait for NCCL collectives that lost peers never join; an
+    # abort does not. gloo's destroy does not wait, and stays the way out.
+    guard_rails = import_guard_rails()
+    calls = []
+    monkeypatch.setattr(guard_rails.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(guard_rails.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(guard_rails.dist.distributed_c10d, "_abort_process_group",
+                        lambda: calls.append("abort"))
+    for backend in ("nccl", "gloo"):
+        monkeypatch.setattr(guard_rails.dist, "get_backend", lambda backend=backend: backend)
+        for failed in (False, True):
+            guard_rails.leave_group(failed)
+    assert calls == ["destroy", "abort", "destroy", "destroy"]
+
+
 def test_timeout_must_be_positive(tmp_path):
     assert_one_line_error(run_lesson(LESSON, "--timeout", 0, "--out-dir", tmp_path),
                           "--timeout must be positive")
