@@ -262,7 +262,7 @@ def how_it_died(exit_code, what="rank"):
         # (see is_lost_contact); its own lines above say "Watchdog caught collective operation
         # timeout".
         return (f"was aborted (SIGABRT): with NCCL, that is how a {what} ends whose collective "
-                f"waited longer than --timeout, because another {what} stopped or stalled (its "
+                "waited longer than --timeout, because another rank stopped or stalled (its "
                 "output says which; raise --timeout if it was only slow)")
     if name == "SIGKILL":
         return ("was killed (SIGKILL): by the out-of-memory killer (the kernel's log, dmesg, "
