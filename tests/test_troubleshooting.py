@@ -155,3 +155,48 @@ def test_batchnorm_statistics_differ_between_ranks():
         # SyncBatchNorm refuses CPU modules, with torch's words; the demo says it needs GPUs.
         assert "SyncBatchNorm on cpu: ValueError: SyncBatchNorm layers only work with GPU" in out
         assert "it runs only on GPUs, so it cannot run on this machine" in out
+
+
+def test_slow_rank_zero_times_out_the_others():
+    out = run_demo("slow_rank_zero.py")
+    # Rank 1 gives up on its own 2-second timeout while rank 0 evaluates for 3 s: in the next
+    # all_reduce, and with a barrier after the evaluation, in the barrier instead.
+    for collective in ("all_reduce", "barrier"):
+        assert re.search(rf"rank 1 gave up after 2 s \({collective}\): .*Timed out waiting 2000ms",
+                         out), out
+    assert "symptom: rank 0 evaluates for 3 s; rank 1 waits for it in the next all_reduce" in out
+    assert "symptom: with a barrier after the evaluation, rank 1 times out in the barrier" in out
+    # Both fixes run the same evaluation and nobody gives up: split between the ranks, under
+    # the same timeout; and alone on rank 0, under a timeout longer than the evaluation.
+    assert out.count("gave up") == 4, out
+    assert re.search(r"fix 1: each rank evaluates half \(1\.5 s\), then all_reduce: they waited "
+                     r"[01]\.\d and [01]\.\d s, within the same 2 s timeout", out), out
+    assert re.search(r"fix 2: with timeout=5 s, rank 1 waits \d\.\d s in all_reduce", out), out
+
+
+def test_early_stopping_on_one_rank_hangs_the_other():
+    out = run_demo("early_stopping.py")
+    # Rank 0's own loss gets worse after epoch 3, rank 1's does not: rank 0 leaves the loop and
+    # both wait for each other until the timeout.
+    assert "rank 0 stopped early after epoch 3" in out
+    assert "rank 1 stopped early" not in out
+    assert_both_ranks_gave_up(out)
+    assert "symptom: rank 0 stops after epoch 3 and waits in barrier" in out
+    # Agreed decisions: the same number of epochs on both ranks.
+    assert "fix: deciding on the stop flag all-reduced with MAX: the ranks trained 3 and 3" in out
+    assert "fix: deciding on the mean validation loss of both halves: the ranks trained 4 and 4" \
+        in out
+
+
+def test_every_rank_downloading_reads_a_half_written_file():
+    out = run_demo("download_once.py")
+    # Rank 1 finds the file rank 0 is still writing, skips the download and reads half of it:
+    # torch.load fails on the truncated archive (torch 2.14 raises OSError; any error will do).
+    assert re.search(r"rank 1 read the file at \d+ bytes and torch\.load raised \w+", out), out
+    assert "rank 1 read 1000 samples" not in out
+    assert "rank 0 read 1000 samples" in out  # the rank that wrote it reads it whole
+    assert "symptom: rank 1 found the file that rank 0 was still writing (10 of 20 chunks)" in out
+    # Rank 0 alone downloads, to a temporary name; rank 1 waits at the barrier; both read it all.
+    assert re.search(r"rank 1: 1000 samples, after \d\.\d s waiting at dist\.barrier\(\)", out)
+    assert "fix: rank 0 downloaded to once.pt.tmp and renamed it; rank 1 waited at the barrier; " \
+        "both read the same 1000 samples" in out
