@@ -42,12 +42,24 @@ def pick_device(requested):
     return device
 
 
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
 def save_atomically(obj, path):
     # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of torch.save leaves the previous file intact instead of a half-written one.
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
     tmp_path = f"{path}.tmp"
-    torch.save(obj, tmp_path)
-    os.replace(tmp_path, path)
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +201,7 @@ def main(args):
     train_seconds = time.perf_counter() - train_start
     correct, total = trainer.evaluate()
 
-    torch.save(model.state_dict(), os.path.join(args.out_dir, "final.pt"))
+    save_atomically(cpu_state_dict(model), os.path.join(args.out_dir, "final.pt"))
     metrics = {
         "lesson": "01_single_gpu",
         "world_size": 1,
@@ -206,8 +218,7 @@ def main(args):
         "train_seconds": train_seconds,
         "wall_seconds": time.time() - start,
     }
-    with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
+    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
 

@@ -72,12 +72,24 @@ def setup_process_group(rank, world_size, backend, timeout):
     return device
 
 
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
 def save_atomically(obj, path):
     # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of torch.save leaves the previous file intact instead of a half-written one.
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
     tmp_path = f"{path}.tmp"
-    torch.save(obj, tmp_path)
-    os.replace(tmp_path, path)
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +250,7 @@ def main(rank, args):
     if not trainer.is_main_process:
         return  # every rank holds the same results; rank 0 alone writes them
 
-    torch.save(model.module.state_dict(), os.path.join(args.out_dir, "final.pt"))
+    save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
     metrics = {
         "lesson": "02_multi_gpu_spawn",
         "world_size": args.world_size,
@@ -256,8 +268,7 @@ def main(rank, args):
         "train_seconds": train_seconds,
         "wall_seconds": time.time() - start,
     }
-    with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
+    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
 

@@ -9,11 +9,13 @@ it when a message surprises you.
 
 import contextlib
 import datetime
+import errno
 import hashlib
 import importlib.util
 import io
 import ipaddress
 import json
+import logging
 import os
 import shutil
 import signal
@@ -148,6 +150,12 @@ def rank_guard(rank, args, meet_fix="raise --timeout if this machine is very bus
     except Exception as error:
         code = 1
         if is_lost_contact(error):
+            if dist.is_initialized():
+                # A peer that stopped with its own line (a full disk, say) or its traceback
+                # makes the launcher stop this rank too: mp.spawn and torchrun end the other
+                # ranks when one fails. A moment's wait lets that happen first, so that the
+                # learner reads the cause and not this echo of it.
+                time.sleep(1.5)
             # Printed here, not by fail(): each rank has its own story, and under torchrun
             # start() keeps only rank 0's copy of the lines that every rank shares.
             print(f"error: {lost_contact_line(error, rank, args, meet_fix, lost_fix)}",
@@ -235,6 +243,9 @@ def is_lost_contact(error):
 def spawn_guard(what, then=""):
     """Around mp.spawn: a rank that fails or dies becomes one line naming it (not a traceback
     of spawn's), and the job ends; spawn has already stopped the other ranks."""
+    # spawn logs "Terminating process N via signal SIGTERM" for each rank it stops after one
+    # failed (torch/multiprocessing/spawn.py); the line below says so once.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         yield
     except mp.ProcessRaisedException as error:
@@ -409,6 +420,54 @@ def rank_table(rank, local_rank, args):
 
 
 # ---------------------------------------------------------------------------------------------
+# Every lesson: a save that fails (a full disk, no permission, a read-only filesystem)
+# ---------------------------------------------------------------------------------------------
+AGAIN = "then run the same command again"
+WRITE_FIXES = {
+    errno.ENOSPC: f"free some space there, {AGAIN}",
+    errno.EDQUOT: f"free some space there, {AGAIN}",
+    errno.EROFS: f"make that filesystem writable, {AGAIN} (or choose another --out-dir)",
+    errno.EACCES: f"make that folder writable, {AGAIN} (or choose another --out-dir)",
+    errno.EPERM: f"make that folder writable, {AGAIN} (or choose another --out-dir)",
+}
+
+
+def os_error_in(error):
+    """The OSError that error is, or was raised from; else None. (torch.save into a file that
+    takes no more bytes raises a RuntimeError of its own, and the file's OSError follows.)"""
+    for _ in range(10):  # a chain of causes, followed a few links at most
+        if error is None or isinstance(error, OSError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def cannot_write(path, error, intact=""):
+    """The one line for a write into path that failed with error, an OSError: the reason (the
+    system's words), what is intact, and what to do."""
+    fix = WRITE_FIXES.get(error.errno, f"fix that, {AGAIN}")
+    return f"cannot write {path} ({error.strerror or error}); {intact}{fix}"
+
+
+@contextlib.contextmanager
+def save_or_fail(path, tmp_path):
+    """Around the writing of path by way of tmp_path, a file beside it renamed over it last: a
+    write that fails stops with one line (cannot_write), and what was written of tmp_path is
+    removed. The file at path, if there was one, is intact: only the rename replaces it."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        cause = os_error_in(error)
+        if cause is None:
+            raise  # not a write that failed: a bug, with its traceback
+        with contextlib.suppress(OSError):
+            os.remove(tmp_path)
+        kept = os.path.exists(path)
+        fail(cannot_write(path, cause, f"the previous {os.path.basename(path)} is intact; "
+                                       if kept else ""))
+
+
+# ---------------------------------------------------------------------------------------------
 # Lessons 04 and 07: a checkpoint that cannot continue this run, or that some rank
 # cannot see, and the store torchrun's restarts need
 # ---------------------------------------------------------------------------------------------
@@ -471,12 +530,47 @@ def decided_by_rank_0(rank, decide, *decide_args):
         try:
             answer = [("go", decide(*decide_args))]
         except SystemExit as stop:
-            answer = [("stop", stop.code)]
+            say_first(stop.code)
+            answer = [("stop", None)]
     dist.broadcast_object_list(answer, src=0)
     verdict, value = answer[0]
     if verdict == "stop":
-        sys.exit(value if rank == 0 else 1)
+        sys.exit(1)
     return value
+
+
+def say_first(line):
+    """Rank 0 prints its one line before it tells the other ranks to stop: a launcher stops
+    every rank as soon as one has ended, and a line not yet printed would be lost."""
+    if isinstance(line, str):
+        print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def barrier_after_save(rank):
+    """Around a save that rank 0 alone makes, entered by every rank. At its end every rank
+    waits until rank 0 is done, as at dist.barrier(), and learns how it went: if rank 0 could
+    not write (its one line, from save_or_fail), every rank stops there, none left waiting for
+    rank 0 until --timeout, or saying that it lost contact."""
+    stopped = None
+    try:
+        yield
+    except SystemExit as stop:
+        if rank != 0:
+            raise
+        stopped = stop
+    stop_together(rank, stopped)
+
+
+def stop_together(rank, stop):
+    """A barrier that tells every rank whether rank 0 stopped (stop: its SystemExit, else None):
+    if it did, rank 0 prints its line, and then every rank stops, with exit code 1."""
+    if stop is not None:
+        say_first(stop.code)
+    stopping = [stop is not None]
+    dist.broadcast_object_list(stopping, src=0)
+    if stopping[0]:
+        sys.exit(1)
 
 
 def snapshot_to_resume(rank, path, args, make_model):
@@ -619,16 +713,88 @@ def check_checkpoint(path, args):
         with open(os.path.join(path, "progress.json")) as f:
             done = json.load(f)["epochs_completed"]
         hidden = metadata.state_dict_metadata["model.fc1.weight"].size[0]
+        # Every file the metadata names must be there, with the bytes it says: a shard deleted
+        # or cut short would stop every rank in dcp.load, each with a traceback. storage_data
+        # maps each chunk of a tensor to a _StorageInfo: relative_path, offset and length in
+        # that file (torch/distributed/checkpoint/filesystem.py, FileSystemWriter.finish).
+        needed = {}
+        for chunk in metadata.storage_data.values():
+            end = chunk.offset + chunk.length
+            needed[chunk.relative_path] = max(end, needed.get(chunk.relative_path, 0))
     except Exception as error:  # a damaged folder raises one of several types
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         fail(f"{path} cannot be loaded ({type(error).__name__}: {reason[:150]}); it is damaged "
              "or not a checkpoint of this lesson: delete it or choose another --out-dir")
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        has = os.path.getsize(file) if os.path.isfile(file) else None
+        if has is None or has < size:
+            what = "is missing" if has is None else f"is cut short ({has} of its {size} bytes)"
+            older = checkpoints_beside(path)
+            fix = (f"delete {path} to resume from {older[-1]}" if older else
+                   f"delete {path} to start afresh")
+            fail(f"{path} is damaged: its file {name} {what}; {fix}, or choose another --out-dir")
     if hidden != args.hidden:
         fail(f"{path} holds a model with --hidden {hidden}, not {args.hidden}; resume with "
              f"--hidden {hidden}, or delete it or choose another --out-dir")
     if done > args.epochs:
         fail(f"{path} has {done} epochs done, more than --epochs {args.epochs}; ask for at "
              f"least {done} or choose another --out-dir")
+
+
+def checkpoints_beside(path):
+    """The finished checkpoint folders beside the folder path (each with DCP's .metadata, which
+    dcp.save writes last), oldest first; path itself is not one of them."""
+    parent = os.path.dirname(path)
+    names = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
+    return [os.path.join(parent, name) for name in names if name != os.path.basename(path)
+            and os.path.isfile(os.path.join(parent, name, ".metadata"))]
+
+
+def checkpoint_not_written(path, error, rank=None):
+    """The one line for a checkpoint folder path not written: error (an OSError) of the rank
+    whose write failed, the checkpoint that is intact, and what to do."""
+    older = checkpoints_beside(path)
+    intact = f"the previous checkpoint, {os.path.basename(older[-1])}, is intact; " if older else ""
+    where = f"{error.filename or path}" + (f" on rank {rank}" if rank is not None else "")
+    return f"error: {cannot_write(where, error, intact)}"
+
+
+@contextlib.contextmanager
+def sharded_save_or_fail(rank, path):
+    """Around lesson 07's save of a checkpoint into the folder path, entered by every rank:
+    rank 0 makes the folder, every rank calls the barrier this yields (which also tells every
+    rank whether rank 0 could write), and then every rank writes its shards with dcp.save.
+
+    A write that fails, rank 0's before the barrier or any rank's in dcp.save (which hands
+    each rank's failure to every rank, in a CheckpointException), ends the job with one line
+    from rank 0 (checkpoint_not_written). The unfinished folder is removed, and every rank
+    stops: none waits for another until --timeout, or says that it lost contact."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    past_barrier = []
+
+    def barrier():
+        past_barrier.append(True)
+        stop_together(rank, None)
+
+    try:
+        yield barrier
+    except OSError as error:  # rank 0, making the folder, while the others wait at the barrier
+        if rank != 0 or past_barrier:
+            raise
+        shutil.rmtree(path, ignore_errors=True)
+        stop_together(rank, SystemExit(checkpoint_not_written(path, error)))
+    except CheckpointException as error:  # every rank, each with every rank's failures
+        failed = [(r, os_error_in(exc)) for r, (exc, _) in sorted(error.failures.items())]
+        failed = [(r, exc) for r, exc in failed if exc is not None]
+        if not failed:
+            raise  # not a write that failed: a bug, with its traceback
+        if rank == 0:  # once every rank is done with the folder: DCP gathered their results
+            shutil.rmtree(path, ignore_errors=True)
+            say_first(checkpoint_not_written(path, failed[0][1], failed[0][0]))
+        dist.barrier()  # the others stop once rank 0 has said why
+        sys.exit(1)
 
 
 def agree_on_checkpoint(rank, checkpoint_dir, latest_checkpoint):
@@ -641,13 +807,22 @@ def agree_on_checkpoint(rank, checkpoint_dir, latest_checkpoint):
     disks of their own, each node would keep its ranks' shards and rank 0 alone .metadata: a
     checkpoint that no node could load, found only at the resume."""
     note = os.path.join(checkpoint_dir, ".rank0")
-    choice = [None, None]  # [checkpoint or None, what rank 0 wrote into the note]
-    if rank == 0:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-        choice = [latest_checkpoint(checkpoint_dir), f"{socket.gethostname()} {time.time_ns()}"]
-        with open(note, "w") as f:
-            f.write(choice[1])
-    dist.broadcast_object_list(choice, src=0)  # after the write: the others look only now
+
+    def choose():  # rank 0: [checkpoint or None, what it wrote into the note]
+        written = f"{socket.gethostname()} {time.time_ns()}"
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            with open(note, "w") as f:
+                f.write(written)
+        except OSError as error:  # a full disk, a read-only folder: nothing can be saved there
+            with contextlib.suppress(OSError):
+                os.remove(note)
+            latest = latest_checkpoint(checkpoint_dir)
+            fail(cannot_write(checkpoint_dir, error, f"the checkpoint {os.path.basename(latest)} "
+                                                     "in it is intact; " if latest else ""))
+        return [latest_checkpoint(checkpoint_dir), written]
+
+    choice = decided_by_rank_0(rank, choose)  # after the write: the others look only now
     try:
         with open(note) as f:
             sees = f.read() == choice[1]

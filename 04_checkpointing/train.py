@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from guard_rails import (
+    barrier_after_save,
     check_args,
     check_master_port,
     check_snapshot,
@@ -96,16 +97,27 @@ def setup_process_group(rank, world_size, backend, timeout):
     return device
 
 
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
 def save_atomically(obj, path):
     # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of torch.save leaves the previous file intact instead of a half-written one.
+    # the middle of the write leaves the previous file intact instead of a half-written one.
     # fsync puts the bytes on disk before the rename, so a power cut cannot leave an empty file.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
     tmp_path = f"{path}.tmp"
-    with open(tmp_path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, path)
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp_path, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,9 +272,9 @@ class Trainer:
                 # Rank 0 alone writes: the ranks hold the same weights, and N ranks writing one
                 # file (N nodes, on a shared filesystem) would corrupt it. Every rank then waits
                 # until it is on disk: once any rank is in the next epoch, this snapshot exists.
-                if self.is_main_process:
-                    self.save_snapshot()
-                dist.barrier()
+                with barrier_after_save(self.rank):  # if rank 0 cannot write, every rank stops
+                    if self.is_main_process:
+                        self.save_snapshot()
         return losses
 
 
@@ -312,7 +324,7 @@ def main(rank, args):
     if not trainer.is_main_process:
         return  # every rank holds the same results; rank 0 alone writes them
 
-    torch.save(model.module.state_dict(), os.path.join(args.out_dir, "final.pt"))
+    save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
     metrics = {
         "lesson": "04_checkpointing",
         "world_size": args.world_size,
@@ -332,8 +344,7 @@ def main(rank, args):
         "train_seconds": train_seconds,
         "wall_seconds": time.time() - start,
     }
-    with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
+    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
 

@@ -55,6 +55,7 @@ from guard_rails import (
     fail,
     rank_guard,
     restart_store,
+    sharded_save_or_fail,
     spawn_guard,
     start,
     started_by_torchrun,
@@ -128,6 +129,21 @@ def peak_memory_bytes(device):
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
 
 
 def latest_checkpoint(checkpoint_dir):
@@ -308,16 +324,17 @@ class Trainer:
 
     def save_checkpoint(self):
         path = os.path.join(self.checkpoint_dir, f"epoch_{self.epochs_completed:04d}")
-        if self.is_main_process:
-            shutil.rmtree(path, ignore_errors=True)  # a save of this epoch that was cut short
-            os.makedirs(path)
-            with open(os.path.join(path, "progress.json"), "w") as f:
-                json.dump({"epochs_completed": self.epochs_completed, "train_loss": self.losses,
-                           "strategy": self.strategy, "world_size": self.world_size}, f)
-        dist.barrier()  # the folder exists before any rank writes into it
-        # Every rank writes what it holds to its own file, all at once (a tensor held whole by
-        # several, once); rank 0 then writes .metadata: which file holds which chunk of what.
-        dcp.save(self.training_state(), checkpoint_id=path)
+        with sharded_save_or_fail(self.rank, path) as barrier:  # a failed write: one line
+            if self.is_main_process:
+                shutil.rmtree(path, ignore_errors=True)  # a save of this epoch that was cut short
+                os.makedirs(path)
+                with open(os.path.join(path, "progress.json"), "w") as f:
+                    json.dump({"epochs_completed": self.epochs_completed, "train_loss": self.losses,
+                               "strategy": self.strategy, "world_size": self.world_size}, f)
+            barrier()  # the folder exists before any rank writes into it
+            # Every rank writes what it holds to its own file, all at once (a tensor held whole
+            # by several, once); rank 0 then writes .metadata: which file holds which chunk of what.
+            dcp.save(self.training_state(), checkpoint_id=path)
         if self.is_main_process:  # this save is complete: older ones can go
             for old in glob.glob(os.path.join(self.checkpoint_dir, "epoch_*")):
                 if old != path:
@@ -402,7 +419,7 @@ def main(rank, local_rank, args):
     if not trainer.is_main_process:
         return  # rank 0 holds every result now; it alone writes them
 
-    torch.save(weights, os.path.join(args.out_dir, "final.pt"))
+    save_atomically(weights, os.path.join(args.out_dir, "final.pt"))
     if memory:
         print(f"memory per rank ({args.strategy}, {args.world_size} ranks, hidden "
               f"{args.hidden}), bytes held after the last step:", flush=True)
@@ -435,8 +452,7 @@ def main(rank, local_rank, args):
                             strict=True)) for row in memory],
         "peak_memory_measure": "cuda_max_allocated" if device.type == "cuda" else "max_rss",
     }
-    with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=2)
+    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
 

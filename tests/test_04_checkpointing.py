@@ -3,8 +3,11 @@
 "Bitwise equal" means torch.equal on every tensor of final.pt, and the same float for every
 epoch's loss: a resumed run must be the run that never crashed, not merely close to it."""
 
+import contextlib
+import errno
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -132,7 +135,7 @@ def test_a_crash_while_writing_leaves_the_previous_snapshot(uninterrupted, tmp_p
     died = run_lesson(LESSON, *CPU, *SHORT, "--world-size", 2, "--out-dir", tmp_path,
                       patch="die-while-saving")
     assert died.returncode != 0
-    assert "died with exit code -9" in died.stderr
+    assert "was killed (SIGKILL)" in died.stderr
     assert (tmp_path / "snapshot.pt.tmp").exists(), "the half-written file should be the tmp"
     assert snapshot(tmp_path)["epochs_completed"] == 2  # the previous one, intact
     resumed = run_lesson(LESSON, *CPU, *SHORT, "--world-size", 2, "--out-dir", tmp_path)
@@ -144,8 +147,9 @@ def test_only_global_rank_0_writes_each_snapshot(lesson_run, uninterrupted):
     result, out_dir = lesson_run(LESSON, *CPU, *SHORT, "--world-size", 2, patch="log-writes")
     assert result.returncode == 0, result.stderr
     writes = [line for line in result.stdout.splitlines() if line.startswith("write ")]
-    # Snapshots after epochs 2, 4 and 6, each written once, by rank 0.
-    assert writes == ["write snapshot.pt by rank 0"] * 3, result.stdout
+    # Snapshots after epochs 2, 4 and 6, each written once, by rank 0; then the results.
+    assert writes == ["write snapshot.pt by rank 0"] * 3 + [
+        "write final.pt by rank 0", "write metrics.json by rank 0"], result.stdout
     assert_bitwise_equal(out_dir, uninterrupted(2))
 
 
@@ -282,3 +286,58 @@ def test_a_node_that_cannot_see_the_snapshot_stops_the_job(uninterrupted, tmp_pa
     assert "filesystem shared by all nodes" in errors[0]
     assert not error_lines(results[1].stderr), results[1].stderr
     assert not (out_dirs[0] / "final.pt").exists() and not any(out_dirs[1].iterdir())
+
+
+@contextlib.contextmanager
+def small_disk(path):
+    """A 1 MiB tmpfs mounted at path for the with block, then unmounted. Mounting needs root:
+    elsewhere the test is skipped, with the reason."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8), to mount a small tmpfs that can fill up")
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def fill(folder):
+    """A file in folder that takes every byte left on its filesystem."""
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(4096))
+        except OSError as error:
+            assert error.errno == errno.ENOSPC, error
+    return filler
+
+
+def test_a_full_disk_is_one_line_and_the_same_command_resumes(uninterrupted, tmp_path):
+    # The snapshot of 6 epochs, on a disk then filled to the last byte: the run trains epoch 7,
+    # cannot write its snapshot, and says so in one line; every rank stops. Once there is room
+    # again, the same command resumes from the snapshot kept.
+    with small_disk(tmp_path / "disk") as disk:
+        out_dir = disk / "run"
+        out_dir.mkdir()
+        shutil.copy(uninterrupted(2) / "snapshot.pt", out_dir / "snapshot.pt")
+        kept = (out_dir / "snapshot.pt").read_bytes()
+        filler = fill(disk)
+        command = [*CPU, "--epochs", 7, "--save-every", 2, "--world-size", 2, "--out-dir", out_dir]
+        full = run_lesson(LESSON, *command, env=NO_GPUS)
+        assert "epoch   7/7" in full.stdout, full.stdout + full.stderr
+        assert_one_line_error(full, f"cannot write {out_dir / 'snapshot.pt'} (No space left",
+                              "the previous snapshot.pt is intact", "run the same command again")
+        assert "lost contact" not in full.stderr
+        assert (out_dir / "snapshot.pt").read_bytes() == kept
+        assert [p.name for p in out_dir.iterdir()] == ["snapshot.pt"]  # no .tmp left behind
+        filler.unlink()
+        resumed = run_lesson(LESSON, *command, env=NO_GPUS)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "6 of 7 epochs done, continuing at epoch 7" in resumed.stdout
+        assert read_metrics(out_dir)["resumed_after_epoch"] == 6
+        assert torch.load(out_dir / "snapshot.pt", weights_only=True)["epochs_completed"] == 7

@@ -17,6 +17,7 @@ import torch
 
 from helpers import (
     GPUS,
+    NO_GPUS,
     ROOT,
     assert_good_run,
     assert_one_line_error,
@@ -24,6 +25,8 @@ from helpers import (
     evaluate_single_process,
     free_port,
     fsdp_rows,
+    import_guard_rails,
+    import_lesson,
     lesson02_run,
     load_weights,
     max_weight_difference,
@@ -310,6 +313,57 @@ def test_nodes_without_a_shared_out_dir_stop_before_training(tmp_path):
     assert not list((out_dirs[0] / "checkpoint").iterdir())
 
 
+def test_a_checkpoint_with_a_shard_missing_or_cut_short_is_refused_in_one_line(lesson_run,
+                                                                             tmp_path):
+    # Decided before any rank starts, from what .metadata says each file holds: not every
+    # rank's CheckpointException from dcp.load. One rank's file deleted, as a learner meets it:
+    _, zero1 = two_ranks(lesson_run, "zero1")
+    shutil.copytree(zero1 / "checkpoint", tmp_path / "checkpoint")
+    folder = tmp_path / "checkpoint" / "epoch_0020"
+    (folder / "__1_0.distcp").unlink()
+    result = run_lesson(LESSON, *CPU, "--out-dir", tmp_path, env=NO_GPUS)
+    assert_one_line_error(result, f"{folder} is damaged: its file __1_0.distcp is missing",
+                          f"delete {folder} to start afresh")
+    assert not (tmp_path / "final.pt").exists()
+    # A file cut short, checked by the same function in this process; with an older finished
+    # checkpoint beside it, the line says to resume from that one.
+    shutil.copy(zero1 / "checkpoint" / "epoch_0020" / "__1_0.distcp", folder)
+    shard = folder / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    shutil.copytree(zero1 / "checkpoint" / "epoch_0020", tmp_path / "checkpoint" / "epoch_0010")
+    args = import_lesson(LESSON).parse_args(["--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit) as stop:
+        import_guard_rails().check_checkpoint(str(folder), args)
+    assert str(stop.value.code).startswith(
+        f"error: {folder} is damaged: its file __0_0.distcp is cut short (1000 of its ")
+    assert f"delete {folder} to resume from {tmp_path / 'checkpoint' / 'epoch_0010'}" in str(
+        stop.value.code)
+
+
+def test_a_read_only_checkpoint_folder_stops_the_job_in_one_line(lesson_run, tmp_path):
+    # The checkpoint folder on a filesystem mounted read-only (root ignores file modes, not a
+    # read-only mount): rank 0 cannot write there, says so, and every rank stops at once.
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8), to mount a read-only tmpfs")
+    _, zero1 = two_ranks(lesson_run, "zero1")
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        shutil.copytree(zero1 / "checkpoint", folder, dirs_exist_ok=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        result = run_lesson(LESSON, *CPU, "--epochs", 21, "--out-dir", tmp_path, env=NO_GPUS)
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+    assert_one_line_error(result, f"cannot write {folder} (Read-only file system)",
+                          "the checkpoint epoch_0020 in it is intact", "make that filesystem")
+    assert "lost contact" not in result.stderr
+    assert "epoch " not in result.stdout  # stopped before training
+
+
 def test_bad_input_gets_one_clear_line(tmp_path):
     result = run_lesson(LESSON, *CPU, "--hidden", 0, "--out-dir", tmp_path)
     assert_one_line_error(result, "--hidden must be at least 1")
@@ -338,6 +392,9 @@ def test_gpu_sharded_run_learns_and_measures_cuda_memory(lesson_run, strategy):
         if strategy == "fsdp":
             assert row["parameters"] <= full["parameters"] / world_size + 64 * FLOAT * 2
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+    # final.pt holds CPU tensors: it loads on a machine without a GPU, no map_location needed.
+    saved = torch.load(out_dir / "final.pt", weights_only=True)
+    assert {tensor.device.type for tensor in saved.values()} == {"cpu"}
 
 
 @needs_two

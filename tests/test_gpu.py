@@ -32,11 +32,19 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine ha
 NCCL_WORLD = min(GPUS, 2)
 
 
+def assert_final_pt_holds_cpu_tensors(out_dir):
+    """final.pt, loaded with no map_location, lands on the CPU: trained on a GPU, it still
+    loads into lesson 01's model on a machine without one."""
+    saved = torch.load(out_dir / "final.pt", weights_only=True)
+    assert {tensor.device.type for tensor in saved.values()} == {"cpu"}
+
+
 # --- every lesson with no arguments ----------------------------------------------------------
 def test_lesson01_default_trains_on_the_gpu(lesson_run):
     result, out_dir = lesson_run("01_single_gpu")
     metrics = assert_good_run(result, out_dir, world_size=1, min_accuracy=0.95)
     assert metrics["device"] == "cuda"
+    assert_final_pt_holds_cpu_tensors(out_dir)
 
 
 # The bar for any number of ranks is the CPU tier's for world sizes other than 2: 90%. (On the
@@ -50,6 +58,7 @@ def test_default_is_one_nccl_rank_per_gpu(lesson_run, lesson):
     assert "note:" not in result.stdout  # nothing fell back to the CPU
     # The weights every rank trained on its own GPU are the ones rank 0 saved.
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+    assert_final_pt_holds_cpu_tensors(out_dir)
 
 
 def test_lesson03_default_is_one_node_of_one_nccl_process_per_gpu(lesson_run):
@@ -59,6 +68,7 @@ def test_lesson03_default_is_one_node_of_one_nccl_process_per_gpu(lesson_run):
         "nccl", "cuda", "spawn")
     assert (metrics["nnodes"], metrics["nproc_per_node"]) == (1, GPUS)
     assert [r["local_rank"] for r in metrics["ranks"]] == list(range(GPUS))
+    assert_final_pt_holds_cpu_tensors(out_dir)
 
 
 def test_lesson04_default_snapshot_is_written_from_rank_0s_gpu(lesson_run):
@@ -86,6 +96,7 @@ def test_lesson05_default_follows_the_plan_for_this_gpu_count(lesson_run):
     else:
         assert "note:" not in result.stdout
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+    assert_final_pt_holds_cpu_tensors(out_dir)
 
 
 def test_more_ranks_than_gpus_fall_back_to_gloo_and_say_so(lesson_run):
