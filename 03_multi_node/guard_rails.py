@@ -72,7 +72,10 @@ def check_out_dir(path):
     except OSError as error:
         fail(f"--out-dir {path} cannot be created ({error.strerror}); choose another --out-dir")
     if not os.access(path, os.W_OK | os.X_OK):
-        fail(f"--out-dir {path} is not writable by this user; choose another --out-dir")
+        # os.statvfs is Unix's; elsewhere a read-only disk is told as one this user cannot write.
+        read_only = hasattr(os, "statvfs") and os.statvfs(path).f_flag & os.ST_RDONLY
+        why = "is on a read-only filesystem" if read_only else "is not writable by this user"
+        fail(f"--out-dir {path} {why}; choose another --out-dir")
 
 
 def start(entry, parse, torchrun_ok):

@@ -1,9 +1,11 @@
 """What the tests share: running a lesson the way a learner does and reading what it wrote."""
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,3 +234,22 @@ def interrupt_when(command, marker, timeout=180):
         os.kill(pid, signal.SIGKILL)
     result = subprocess.CompletedProcess(command, process.returncode, "".join(seen) + out, err)
     return result, took, left
+
+
+@contextlib.contextmanager
+def small_disk(path):
+    """A 1 MiB tmpfs mounted at path for the with block, then unmounted; the with block gets a
+    function that remounts it read-only (root ignores file modes, not a read-only mount).
+    Mounting needs root: elsewhere the test is skipped, with the reason."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8), to mount a small tmpfs")
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield lambda: subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+

@@ -13,6 +13,7 @@ from helpers import (
     read_metrics,
     run_lesson,
     run_torchrun,
+    small_disk,
 )
 
 LESSON = "01_single_gpu"
@@ -70,6 +71,16 @@ def test_out_dir_that_is_a_file_gets_one_clear_line(tmp_path):
     path = tmp_path / "results"
     path.write_text("a file where the results folder should go\n")
     assert_one_line_error(run_lesson(LESSON, "--out-dir", path), f"--out-dir {path} is a file",
+                          "choose another --out-dir")
+
+
+def test_out_dir_on_a_read_only_filesystem_is_named_as_such(tmp_path):
+    # Not "not writable by this user": no user can write there, and the fix is another folder.
+    disk = tmp_path / "disk"
+    with small_disk(disk) as make_read_only:
+        make_read_only()
+        result = run_lesson(LESSON, "--out-dir", disk)
+    assert_one_line_error(result, f"--out-dir {disk} is on a read-only filesystem",
                           "choose another --out-dir")
 
 

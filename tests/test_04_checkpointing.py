@@ -3,11 +3,9 @@
 "Bitwise equal" means torch.equal on every tensor of final.pt, and the same float for every
 epoch's loss: a resumed run must be the run that never crashed, not merely close to it."""
 
-import contextlib
 import errno
 import os
 import shutil
-import subprocess
 import sys
 import time
 
@@ -27,6 +25,7 @@ from helpers import (
     run_lesson,
     run_nodes,
     run_torchrun,
+    small_disk,
 )
 
 LESSON = "04_checkpointing"
@@ -288,23 +287,6 @@ def test_a_node_that_cannot_see_the_snapshot_stops_the_job(uninterrupted, tmp_pa
     assert not (out_dirs[0] / "final.pt").exists() and not any(out_dirs[1].iterdir())
 
 
-@contextlib.contextmanager
-def small_disk(path):
-    """A 1 MiB tmpfs mounted at path for the with block, then unmounted. Mounting needs root:
-    elsewhere the test is skipped, with the reason."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8), to mount a small tmpfs that can fill up")
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
-
-
 def fill(folder):
     """A file in folder that takes every byte left on its filesystem."""
     filler = folder / "filler"
@@ -321,7 +303,8 @@ def test_a_full_disk_is_one_line_and_the_same_command_resumes(uninterrupted, tmp
     # The snapshot of 6 epochs, on a disk then filled to the last byte: the run trains epoch 7,
     # cannot write its snapshot, and says so in one line; every rank stops. Once there is room
     # again, the same command resumes from the snapshot kept.
-    with small_disk(tmp_path / "disk") as disk:
+    disk = tmp_path / "disk"
+    with small_disk(disk):
         out_dir = disk / "run"
         out_dir.mkdir()
         shutil.copy(uninterrupted(2) / "snapshot.pt", out_dir / "snapshot.pt")

@@ -33,6 +33,7 @@ from helpers import (
     read_metrics,
     run_lesson,
     run_nodes,
+    small_disk,
 )
 
 LESSON = "07_sharding"
@@ -343,21 +344,12 @@ def test_a_checkpoint_with_a_shard_missing_or_cut_short_is_refused_in_one_line(l
 def test_a_read_only_checkpoint_folder_stops_the_job_in_one_line(lesson_run, tmp_path):
     # The checkpoint folder on a filesystem mounted read-only (root ignores file modes, not a
     # read-only mount): rank 0 cannot write there, says so, and every rank stops at once.
-    if not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root and mount(8), to mount a read-only tmpfs")
     _, zero1 = two_ranks(lesson_run, "zero1")
     folder = tmp_path / "checkpoint"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_disk(folder) as make_read_only:
         shutil.copytree(zero1 / "checkpoint", folder, dirs_exist_ok=True)
-        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        make_read_only()
         result = run_lesson(LESSON, *CPU, "--epochs", 21, "--out-dir", tmp_path, env=NO_GPUS)
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
     assert_one_line_error(result, f"cannot write {folder} (Read-only file system)",
                           "the checkpoint epoch_0020 in it is intact", "make that filesystem")
     assert "lost contact" not in result.stderr
