@@ -5,37 +5,58 @@ NCCL with one GPU per rank), used to measure instead of to train. For each world
 trains two models for a fixed number of steps, warm-up excluded, and reports samples per second:
 the lesson's 13->64->3 wine MLP (which will not speed up) and a torchvision ResNet-18 on random
 images (which can). Beside them: the plain model without DDP (DDP's own cost at world size 1),
-on the CPU one process using every core (the honest answer on a laptop) and every rank with the
-same few threads (how DDP scales when each rank brings its own cores), on GPUs nn.DataParallel on
-the same 2..N GPUs, the DDP knobs that matter, and the all-reduce bandwidth of the backend.
-Next to DDP, lesson 07's sharded strategies at every world size: ZeRO-1 (DDP with
+on the CPU one process using every core (the honest answer on a laptop), every rank with the
+same few threads (how DDP scales when each rank brings its own cores) and, as its ceiling, as many
+independent plain processes at once (what N workers reach with no communication at all); on GPUs
+nn.DataParallel on the same 2..N GPUs; the DDP knobs that matter, and the all-reduce bandwidth of
+the backend. Next to DDP, lesson 07's sharded strategies at every world size: ZeRO-1 (DDP with
 ZeroRedundancyOptimizer) and FSDP2 (fully_shard), with the bytes of parameters, gradients and
 optimizer state each rank holds, and on GPUs each rank's peak memory.
 On GPUs ResNet-18 runs as it is trained there: 224x224 images, batch 256 per GPU, bf16 autocast,
 channels_last. Nothing is downloaded.
 
+Every figure is the median of --repeats measurements (5; 3 with --quick), printed with its
+spread (min-max). Starting a world size's processes costs seconds (each imports torch), so each
+world size is one launch: its processes build and warm up every case once, run one untimed
+round of them, then measure them in rounds, one repeat of every case per round (round robin), so
+that a machine that slows down for a while slows every case alike instead of one case's repeats.
+What is interleaved with what: the cases of one launch with each other; on the CPU the
+per-worker cases of every world size (DDP and the independent processes, 1..N) all run in the
+N-rank launch, ranks beyond a case's world size waiting, so that the per-worker efficiency
+compares measurements taken side by side. Cases of different launches (the all-cores cases of
+world size 1 against DDP on N ranks) are not interleaved. A noise check measures one case in the
+last launch before its rounds and again after them: if the two medians differ by more than 5%,
+the machine was too busy for the figures, and the run says so.
+
 Run it:
-    python benchmarks/scaling.py --quick                  # about 40 s on a 2-core laptop
+    python benchmarks/scaling.py --quick                  # about a minute on a 2-core laptop
     python benchmarks/scaling.py                          # the full default, minutes
     python benchmarks/scaling.py --models resnet18 --max-world-size 4
     python benchmarks/scaling.py --device cpu             # the CPU cases, even on a GPU node
     CUDA_VISIBLE_DEVICES=0,1 python benchmarks/scaling.py # NCCL DDP and DataParallel, 1-2 GPUs
+    python benchmarks/scaling.py --models resnet18 --knobs none --sharded none \
+        --grad-sync after-backward,flat,overlap,buckets,ddp   # lesson 08's modes beside DDP
 
 It writes results.json and results.csv (one row per training case), allreduce.json and
-allreduce.csv (one row per message size), run.json (machine, command, load) and scaling.png
-into --out-dir.
+allreduce.csv (one row per message size), run.json (machine, command, load, noise check) and
+scaling.png into --out-dir.
 """
 
 import argparse
+import copy
 import csv
 import datetime
+import functools
 import gc
+import importlib.util
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -52,15 +73,28 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 MODELS = ("wine-mlp", "resnet18")
 KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "fp16_hook", "bf16_hook",
          "no_sync")
-ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "backend", "device",
-              "threads_per_rank", "batch_per_rank", "global_batch", "image_size", "precision",
-              "channels_last", "accumulate", "steps", "warmup", "seconds", "samples_per_s",
-              "speedup", "efficiency", "vs_default", "ddp_cost_pct", "parameter_bytes",
-              "gradient_bytes", "optimizer_bytes", "peak_bytes")
+ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "processes", "backend",
+              "device", "threads_per_rank", "batch_per_rank", "global_batch", "image_size",
+              "precision", "channels_last", "accumulate", "steps", "warmup", "repeats",
+              "seconds", "samples_per_s", "samples_per_s_min", "samples_per_s_max", "speedup",
+              "efficiency", "efficiency_vs_ceiling", "vs_default", "ddp_cost_pct",
+              "parameter_bytes", "gradient_bytes", "optimizer_bytes", "peak_bytes",
+              "repeat_samples_per_s", "repeat_order")
 # Lesson 07's strategies, measured next to DDP at every world size.
 SHARDED = ("zero1", "fsdp")
-BANDWIDTH_FIELDS = ("backend", "device", "world_size", "size_bytes", "iters", "seconds_per_op",
-                    "algbw_GBps", "busbw_GBps")
+BANDWIDTH_FIELDS = ("backend", "device", "world_size", "size_bytes", "iters", "repeats",
+                    "seconds_per_op", "seconds_per_op_min", "seconds_per_op_max", "algbw_GBps",
+                    "busbw_GBps", "repeat_order")
+# Lesson 08's hand-written gradient synchronisations (and DDP through the same function),
+# measured with --grad-sync; its make_grad_sync(model, mode, bucket_mb) returns the model to call
+# and finish(), to call between loss.backward() and optimizer.step().
+LESSON08 = Path(__file__).resolve().parent.parent / "08_ddp_from_scratch"
+GRAD_SYNC = ("after-backward", "flat", "overlap", "buckets", "ddp")
+# Cases whose ranks never communicate while timed: each rank trains a model of its own.
+ALONE = ("plain", "single-process-all-cores", "ceiling")
+# Two medians of the same case, at the start and at the end of a run, further apart than this:
+# the machine's speed changed during the run, and its figures compare unlike conditions.
+NOISE_LIMIT_PCT = 5.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +195,8 @@ class WineMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
-def build_model(model_name):
+@functools.cache
+def initial_model(model_name):
     torch.manual_seed(0)  # the same initial weights on every rank
     if model_name == "wine-mlp":
         return WineMLP()
@@ -170,6 +205,12 @@ def build_model(model_name):
     from torchvision.models import resnet18
 
     return resnet18(num_classes=10)  # 11.2 M parameters, 44.7 MB of fp32 gradients a step
+
+
+def build_model(model_name):
+    """A fresh model with the same initial weights in every case and on every rank: a copy,
+    since initialising ResNet-18's 11.2 M weights takes five times as long as copying them."""
+    return copy.deepcopy(initial_model(model_name))
 
 
 def autocast(case, device):
@@ -215,15 +256,18 @@ def prepare(model, features, case, device):
     return model, features
 
 
-def wrap_model(model, case, device):
-    """The model as the case runs it: plain, DDP with the case's knob, or DataParallel."""
+def wrap_model(model, case, device, group=None):
+    """The model as the case runs it: plain, DDP with the case's knob, or DataParallel.
+
+    group: the process group DDP all-reduces over; None for every rank of the launch, a smaller
+    group for a case with fewer ranks than the launch has (the per-worker cases on the CPU)."""
     if case["case"] == "dataparallel":
         # One process drives every GPU: it copies the model to each GPU at every forward pass
         # and gathers the outputs on the first; the classic comparison with DDP.
         if case["precision"] == "bf16":
             model = AutocastForward(model)
         return nn.DataParallel(model, device_ids=list(range(case["world_size"])))
-    if case["case"] in ("plain", "single-process-all-cores"):
+    if case["case"] in ALONE:
         return model
     if case["case"] == "fsdp":
         return shard_fully(model, case, device)
@@ -236,7 +280,7 @@ def wrap_model(model, case, device):
     elif knob == "static_graph":
         options["static_graph"] = True  # the same parameters are used every step
     ddp_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    **options)
+                    process_group=group, **options)
     if knob in ("fp16_hook", "bf16_hook"):
         # Compress each gradient bucket to 16 bits before the all-reduce and back after it:
         # half the bytes on the wire, a little precision lost.
@@ -283,17 +327,25 @@ def local_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def memory_held(model, optimizer, device, case):
-    """[parameters, gradients, optimizer state, peak] in bytes, the largest over the ranks (the
-    rank that needs the most memory decides what fits). Peak is torch.cuda.max_memory_allocated
-    since the case began, on GPUs only: on the CPU the process's peak resident memory covers
-    every earlier case of the same process, so it is left out (-1 here, null in the rows)."""
+def memory_held(model, optimizer, device, allocated_before):
+    """[parameters, gradients, optimizer state, peak] in bytes, as this rank holds them.
+
+    Peak is torch.cuda.max_memory_allocated during the case's build and warm-up steps, less what
+    was allocated before the case began (the cases built before it, which stay alive for the
+    rounds): the case's own peak. GPUs only: on the CPU the process's peak resident memory
+    covers every case of the process, so it is left out (-1 here, null in the rows)."""
     params = list(model.parameters())
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
-    row = torch.tensor([local_bytes(params), local_bytes(p.grad for p in params),
-                        local_bytes(state), peak], dtype=torch.int64, device=device)
+    peak = (torch.cuda.max_memory_allocated(device) - allocated_before
+            if device.type == "cuda" else -1)
+    return [local_bytes(params), local_bytes(p.grad for p in params), local_bytes(state), peak]
+
+
+def largest_over_ranks(held, case, device):
+    """memory_held's figures, the largest over the ranks: the rank that needs the most memory
+    decides what fits. A rank that sits the case out gives zeros."""
+    row = torch.tensor(held, dtype=torch.int64, device=device)
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     held = row.tolist()
     if case["case"] == "dataparallel":
@@ -306,15 +358,15 @@ def memory_held(model, optimizer, device, case):
 # ---------------------------------------------------------------------------------------------
 # The measured cases
 # ---------------------------------------------------------------------------------------------
-def time_training(model, optimizer, batch, steps, warmup, accumulate, case, device, devices):
-    """Seconds for `steps` forward+backward passes after `warmup` untimed ones.
-
-    Every case, plain model, DDP, ZeRO-1, FSDP and DataParallel alike, runs this same loop with
-    the same synchronisation points, so a difference between them is the wrapper's, not the
-    loop's.
+def make_step(model, optimizer, batch, case, device, finish=None):
+    """One training step. Every case, plain model, DDP, ZeRO-1, FSDP and DataParallel alike,
+    runs this same step with the same synchronisation points, so a difference between them is
+    the wrapper's, not the loop's.
     With accumulate > 1, gradients of `accumulate` micro-batches add up before one optimizer
-    step, and DDP's no_sync skips the all-reduce on all but the last of them."""
+    step, and DDP's no_sync skips the all-reduce on all but the last of them. finish, for
+    lesson 08's modes, completes the gradient synchronisation before the update."""
     features, labels = batch
+    accumulate = case["accumulate"]
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -324,79 +376,146 @@ def time_training(model, optimizer, batch, steps, warmup, accumulate, case, devi
                 with autocast(case, device):
                     loss = F.cross_entropy(model(features), labels)
                 loss.backward()
+        if finish:
+            finish()
         optimizer.step()
 
-    # The first steps are slow (memory allocation, DDP's first-step bookkeeping, CUDA kernel
-    # selection) and would make a short run look slower than a long one: leave them out.
-    for _ in range(warmup):
-        step()
-    synchronize(device, devices)
-    dist.barrier()  # start the clock on every rank at once
-    start = time.perf_counter()
-    for _ in range(steps // accumulate):
-        step()
-    synchronize(device, devices)
-    return time.perf_counter() - start
+    return step
 
 
-def run_training_case(case, device):
+def build_training_case(case, device, group):
+    """A training case, built once per launch and warmed up.
+
+    Returns (work, held): work() runs one repeat, the case's `steps` timed forward/backward
+    passes; held is memory_held's figures for this rank."""
     devices = case["world_size"] if case["case"] == "dataparallel" else 1
+    allocated_before = 0
+    if device.type == "cuda":
+        allocated_before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     features, labels = make_batch(case["model"], case["batch_per_rank"] * devices,
                                   case["image_size"], device, seed=dist.get_rank())
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)  # this case's peak, not an earlier one's
     model, features = prepare(build_model(case["model"]), features, case, device)
-    model = wrap_model(model, case, device)
+    finish = None
+    if case["case"] == "lesson08":
+        # DDP's default bucket size, 25 MiB, for the modes that use buckets (buckets, ddp).
+        model, finish = lesson08().make_grad_sync(model, case["knob_value"], 25)
+    else:
+        model = wrap_model(model, case, device, group)
     optimizer = build_optimizer(model, case)
-    seconds = time_training(model, optimizer, (features, labels), case["steps"], case["warmup"],
-                            case["accumulate"], case, device, devices)
-    seconds = slowest(seconds, device)
-    held = memory_held(model, optimizer, device, case)
-    samples = case["global_batch"] * (case["steps"] // case["accumulate"]) * case["accumulate"]
-    row = {field: case.get(field) for field in ROW_FIELDS}
-    row.update(seconds=seconds, samples_per_s=samples / seconds,
-               **dict(zip(("parameter_bytes", "gradient_bytes", "optimizer_bytes", "peak_bytes"),
-                          held, strict=True)))
-    return row
+    step = make_step(model, optimizer, (features, labels), case, device, finish)
+    # The first steps are slow (memory allocation, DDP's first-step bookkeeping, CUDA kernel
+    # selection) and would make the first repeat look slower than the others: leave them out.
+    for _ in range(case["warmup"]):
+        step()
+    synchronize(device, devices)
+
+    def work():
+        for _ in range(case["steps"] // case["accumulate"]):
+            step()
+        synchronize(device, devices)
+
+    return work, memory_held(model, optimizer, device, allocated_before)
 
 
-def run_allreduce_case(case, device, groups):
-    """Time all-reduces of one message size, the way nccl-tests does.
+@functools.cache
+def lesson08():
+    """Lesson 08's train.py as a module, imported as its tests import it: with the lesson's
+    folder on sys.path, where train.py finds guard_rails.py."""
+    sys.path.insert(0, str(LESSON08))
+    spec = importlib.util.spec_from_file_location("lesson08_train", LESSON08 / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    algbw = bytes / time per all-reduce. busbw = algbw * 2(n-1)/n: a ring all-reduce sends and
-    receives 2(n-1)/n of the message per rank, so busbw is what each link carried, comparable
-    across world sizes and with the hardware's link speed. With n = 1 nothing crosses a link."""
+
+def build_allreduce_case(case, device, groups):
+    """All-reduces of one message size, timed the way nccl-tests does; work() runs `iters`."""
     group = groups[case["backend"]]
     tensor_device = device if case["device"] == "cuda" else torch.device("cpu")
     tensor = torch.zeros(case["size_bytes"] // 4, dtype=torch.float32, device=tensor_device)
     for _ in range(case["warmup"]):
         dist.all_reduce(tensor, group=group)
     synchronize(tensor_device)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(case["iters"]):
-        dist.all_reduce(tensor, group=group)
-    synchronize(tensor_device)
-    per_op = slowest(time.perf_counter() - start, device) / case["iters"]
-    n = case["world_size"]
-    algbw = case["size_bytes"] / per_op / 1e9
-    row = {field: case.get(field) for field in BANDWIDTH_FIELDS}
-    row.update(seconds_per_op=per_op, algbw_GBps=algbw,
-               busbw_GBps=algbw * 2 * (n - 1) / n if n > 1 else None)
+
+    def work():
+        for _ in range(case["iters"]):
+            dist.all_reduce(tensor, group=group)
+        synchronize(tensor_device)
+
+    return work, None
+
+
+def timed(work, device):
+    """Seconds of the slowest rank for one repeat, the clock started on every rank at once.
+
+    A rank that sits the case out passes a work() that does nothing: it waits at the barrier
+    and in slowest()'s all-reduce, blocked in gloo or NCCL, not computing.
+    Python's garbage collector is off while the clock runs, as timeit turns it off: a full
+    collection walks every Python object of the process (about 120 ms here) and would land in
+    whichever repeat crossed its threshold. It collects between repeats instead."""
+    gc.disable()
+    try:
+        dist.barrier()
+        start = time.perf_counter()
+        work()
+        seconds = time.perf_counter() - start
+    finally:
+        gc.enable()
+    return slowest(seconds, device)
+
+
+def summarise(case, seconds, order, held, processes):
+    """The case's row: the median of its repeats, with their spread (min and max).
+
+    algbw = bytes / time per all-reduce. busbw = algbw * 2(n-1)/n: a ring all-reduce sends and
+    receives 2(n-1)/n of the message per rank, so busbw is what each link carried, comparable
+    across world sizes and with the hardware's link speed. With n = 1 nothing crosses a link."""
+    if case["case"] == "allreduce":
+        per_op = [s / case["iters"] for s in seconds]
+        median, n = statistics.median(per_op), case["world_size"]
+        algbw = case["size_bytes"] / median / 1e9
+        row = {field: case.get(field) for field in BANDWIDTH_FIELDS}
+        row.update(repeats=len(per_op), seconds_per_op=median, seconds_per_op_min=min(per_op),
+                   seconds_per_op_max=max(per_op), algbw_GBps=algbw,
+                   busbw_GBps=algbw * 2 * (n - 1) / n if n > 1 else None, repeat_order=order)
+        return row
+    rates = [case["global_batch"] * case["steps"] / s for s in seconds]
+    row = {field: case.get(field) for field in ROW_FIELDS}
+    row.update(processes=processes, repeats=len(rates), seconds=statistics.median(seconds),
+               samples_per_s=statistics.median(rates), samples_per_s_min=min(rates),
+               samples_per_s_max=max(rates), repeat_samples_per_s=rates, repeat_order=order,
+               **dict(zip(("parameter_bytes", "gradient_bytes", "optimizer_bytes", "peak_bytes"),
+                          held, strict=True)))
+    if case.get("noise_check"):
+        row["noise_check"] = case["noise_check"]  # main() takes it out of the rows
     return row
+
+
+def case_name(case):
+    """'ddp', a knob as 'static_graph=True', or lesson 08's mode as 'lesson08 buckets'."""
+    if case["knob"] is None:
+        return case["case"]
+    if case["case"] == "lesson08":
+        return f"lesson08 {case['knob_value']}"
+    return f"{case['knob']}={case['knob_value']}"
 
 
 def describe(case):
     if case["case"] == "allreduce":
         return (f"all-reduce {case['backend']} on {case['device']} ws={case['world_size']} "
                 f"{format_bytes(case['size_bytes'])}")
-    name = case["case"] if case["knob"] is None else f"{case['knob']}={case['knob_value']}"
+    name = case_name(case)
+    if case.get("noise_check"):
+        name += {"start": " (noise check, before the rounds)",
+                 "end": " (noise check, after the rounds)"}[case["noise_check"]]
     return (f"{case['model']} {name} ws={case['world_size']} "
             f"({case['threads_per_rank']} thread(s)/rank, batch {case['batch_per_rank']}/rank)")
 
 
 def worker(rank, world_size, backend, cases, total, args, partial_path):
-    """What mp.spawn runs in each rank: every case of this world size, in order."""
+    """What mp.spawn runs in each rank: build every case of this launch, then measure them in
+    rounds, one repeat of every case per round."""
     try:
         device = setup_process_group(rank, world_size, backend, args.timeout)
         if device.type == "cuda":
@@ -408,24 +527,75 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
         groups = {backend: None}
         if backend == "nccl" and any(case.get("backend") == "gloo" for case in cases):
             groups["gloo"] = dist.new_group(backend="gloo")
-        rows = []
+        # A DDP case with fewer ranks than this launch (per worker, on the CPU) all-reduces in a
+        # group of its own ranks. new_group's rule: every rank creates every group, in order.
+        smaller = sorted({c["world_size"] for c in cases if c["world_size"] < world_size
+                          and c["case"] not in (*ALONE, "dataparallel")})
+        subgroups = {size: dist.new_group(list(range(size)),
+                                          timeout=datetime.timedelta(seconds=args.timeout))
+                     for size in smaller}
+        works, held = [], []
         for case in cases:
             torch.set_num_threads(case["threads_per_rank"])
-            if case["case"] == "allreduce":
-                row = run_allreduce_case(case, device, groups)
-                result = (f"busbw {row['busbw_GBps']:.3f} GB/s" if row["busbw_GBps"] is not None
-                          else f"algbw {row['algbw_GBps']:.3f} GB/s (busbw N/A with 1 rank)")
+            if rank >= case["world_size"]:
+                work, mine = (lambda: None), [0, 0, 0, -1]  # not one of this case's ranks
+            elif case["case"] == "allreduce":
+                work, mine = build_allreduce_case(case, device, groups)
             else:
-                row = run_training_case(case, device)
-                result = f"{row['samples_per_s']:.1f} samples/s"
-                # Free this case's model, optimizer and activations before the next case
-                # allocates its own, not whenever the garbage collector gets to them: on a GPU
-                # two cases of batch-256 activations need not fit at once. Outside any timing.
-                gc.collect()
-            rows.append(row)
+                work, mine = build_training_case(case, device, subgroups.get(case["world_size"]))
+            works.append(work)
+            held.append(None if mine is None else largest_over_ranks(mine, case, device))
+        # What the builds left behind (every case's model, wrapper and optimizer: hundreds of
+        # thousands of Python objects with torch's own) is collected now, outside any timing,
+        # and frozen (gc.freeze): later collections skip it.
+        gc.collect()
+        gc.freeze()
+        seconds, order = [[] for _ in cases], [[] for _ in cases]
+        position, start = 0, time.monotonic()
+
+        def measure(index):
+            nonlocal position
+            torch.set_num_threads(cases[index]["threads_per_rank"])
+            seconds[index].append(timed(works[index], device))
+            order[index].append(position)
+            position += 1
+
+        # One untimed round first, every case once: right after the builds, the first seconds of
+        # measurement ran slow on a 2-core machine, whatever the case (benchmarks/README.md);
+        # the round lets the processes settle.
+        for work in works:
+            timed(work, device)
+        # The noise check's case, if this launch has it: all its repeats before the rounds,
+        # and all those of its copy after them.
+        checks = {when: [i for i, c in enumerate(cases) if c.get("noise_check") == when]
+                  for when in ("start", "end")}
+        for index in checks["start"]:
+            for _ in range(args.repeats):
+                measure(index)
+        # Round robin: one repeat of every case per round. Every case lives through all the
+        # rounds (on a GPU: its input batch, weights, gradients and optimizer state; the
+        # activations of a step are freed by its backward pass).
+        for repeat in range(args.repeats):
+            for index, case in enumerate(cases):
+                if not case.get("noise_check"):
+                    measure(index)
             if rank == 0:
-                print(f"[{case['index']}/{total}] {describe(case)} ... {result}", flush=True)
+                print(f"world size {world_size}: round {repeat + 1}/{args.repeats} done, "
+                      f"{time.monotonic() - start:.0f} s", flush=True)
+        for index in checks["end"]:
+            for _ in range(args.repeats):
+                measure(index)
+        rows = [summarise(case, *measured, world_size)
+                for case, *measured in zip(cases, seconds, order, held, strict=True)]
         if rank == 0:
+            for case, row in zip(cases, rows, strict=True):
+                if case["case"] == "allreduce":
+                    result = (f"busbw {row['busbw_GBps']:.3f} GB/s" if row["busbw_GBps"] is not None
+                              else f"algbw {row['algbw_GBps']:.3f} GB/s (busbw N/A with 1 rank)")
+                else:
+                    result = (f"{row['samples_per_s']:.1f} samples/s "
+                              f"({row['samples_per_s_min']:.1f}-{row['samples_per_s_max']:.1f})")
+                print(f"[{case['index']}/{total}] {describe(case)} ... {result}", flush=True)
             with open(partial_path, "w") as f:
                 json.dump(rows, f)
     finally:
@@ -447,18 +617,19 @@ def run_world_size(world_size, backend, cases, total, args):
     if os.path.exists(partial_path):
         os.remove(partial_path)
     print(f"world size {world_size}: starting {world_size} rank(s) ({backend}) for "
-          f"{len(cases)} case(s)", flush=True)
+          f"{len(cases)} case(s), {args.repeats} round(s)", flush=True)
     context = mp.spawn(worker, args=(world_size, backend, cases, total, args, partial_path),
                        nprocs=world_size, join=False)
-    # Every case may take up to --timeout seconds; past that, stop the ranks instead of hanging.
-    deadline = time.monotonic() + args.timeout * (len(cases) + 1)
+    # Every case's build and each of its repeats may take up to --timeout seconds; past that,
+    # stop the ranks instead of hanging.
+    deadline = time.monotonic() + args.timeout * (len(cases) * (args.repeats + 1) + 1)
     try:
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     if process.is_alive():
                         process.kill()
-                fail(f"world size {world_size} took longer than {args.timeout} s per case; the "
+                fail(f"world size {world_size} took longer than {args.timeout} s per repeat; the "
                      "ranks were stopped. Is the machine busy? Try --quick or a larger --timeout")
     except mp.ProcessRaisedException as error:
         print(error, file=sys.stderr)
@@ -468,8 +639,12 @@ def run_world_size(world_size, backend, cases, total, args):
         fail(f"rank {error.error_index} failed at world size {world_size} (its traceback is "
              "above); the other ranks were stopped")
     except mp.ProcessExitedException as error:
+        # A negative exit code is the signal that ended the rank: SIGABRT (-6) is how NCCL's
+        # watchdog ends a rank whose collective waited past --timeout, SIGKILL (-9) often the
+        # out-of-memory killer.
         fail(f"rank {error.error_index} died with exit code {error.exit_code} at world size "
-             f"{world_size} (killed, or out of memory?); the other ranks were stopped")
+             f"{world_size} (-6: a collective waited longer than --timeout; -9: killed, often "
+             "for lack of memory); the other ranks were stopped")
     with open(partial_path) as f:
         rows = json.load(f)
     os.remove(partial_path)
@@ -492,7 +667,7 @@ def plan_cases(args, device_type, cores):
         batch = batch or args.batch_size
         steps = args.steps if model == "resnet18" else args.mlp_steps
         images = model == "resnet18"
-        plan[run_in or world_size].append({
+        case = {
             "case": case, "model": model, "knob": knob,
             "knob_value": None if value is None else str(value), "world_size": world_size,
             "backend": backend, "device": device_type,
@@ -500,8 +675,9 @@ def plan_cases(args, device_type, cores):
             # threads than cores fighting each other. 1 rank gets every core.
             "threads_per_rank": threads or max(1, cores // world_size),
             "batch_per_rank": batch, "global_batch": batch * world_size, "accumulate": accumulate,
-            # no_sync runs as many forward/backward passes as the others, in fewer steps.
-            "steps": max(steps // accumulate, 1) * accumulate, "warmup": args.warmup,
+            # no_sync runs at least as many forward/backward passes as the others, in fewer
+            # optimizer steps.
+            "steps": -(-steps // accumulate) * accumulate, "warmup": args.warmup,
             # bf16 and channels_last are for ResNet-18's images; the MLP measures DDP's fixed
             # cost per step, in fp32 everywhere.
             "image_size": args.image_size if images else None,
@@ -510,10 +686,21 @@ def plan_cases(args, device_type, cores):
             # support non-contiguous parameters yet" (torch 2.14; tools/repro_fsdp_channels_last.py,
             # pytorch/pytorch#137382), so its rows keep the default layout, and say so.
             "channels_last": args.channels_last and images and case != "fsdp",
-        })
+        }
+        plan[run_in or world_size].append(case)
+        return case
 
+    # The noise check's case: the plain model in one process with every core, so that another
+    # program on any core slows it. It is measured in the last launch (the longest, where the
+    # per-worker cases and the knobs are), before its rounds and again after them, its other
+    # ranks waiting: in one process, because the same case measured in two launches can differ
+    # by several per cent by itself (benchmarks/README.md): the launches differ in the other
+    # cases each process holds and runs.
+    noise_model = "resnet18" if "resnet18" in args.models else args.models[0]
     for model in args.models:
-        training(model, "plain", 1)
+        plain = training(model, "plain", 1)
+        if model == noise_model:
+            noise_case = plain
         for world_size in world_sizes:
             training(model, "ddp", world_size)
             # Lesson 07's sharded strategies, on the same ranks, threads and batch as DDP.
@@ -526,11 +713,15 @@ def plan_cases(args, device_type, cores):
                      batch=args.batch_size * top)
             # Every rank with the same few threads, 1 rank as well as N: what DDP scales, each
             # rank bringing its own cores, as each GPU does. Efficiency = samples/s of N ranks
-            # / (N x samples/s of 1 rank).
+            # / (N x samples/s of 1 rank). Its ceiling: N plain processes at once, each with
+            # the same threads and batch, that never communicate; their summed samples/s is
+            # what N workers can reach on this machine (shared memory bandwidth, caches,
+            # turbo), whatever DDP does. All of them run in the N-rank launch, interleaved.
             if top > 1:
                 for world_size in world_sizes:
-                    training(model, "ddp-per-worker", world_size,
-                             threads=args.threads_per_worker)
+                    for case in ("ddp-per-worker", "ceiling"):
+                        training(model, case, world_size, threads=args.threads_per_worker,
+                                 run_in=top)
         else:
             # One process drives `gpus` GPUs, so it runs with the single-rank group; its
             # world_size column counts GPUs, to line it up with DDP on as many. On one GPU,
@@ -561,6 +752,15 @@ def plan_cases(args, device_type, cores):
         else:
             training(knob_model, "ddp", top, knob=knob, value=True)
 
+    # Lesson 08's modes, each rank with the per-worker threads on the CPU, side by side with
+    # ddp-per-worker and the ceiling in the same launch.
+    if args.grad_sync and top == 1:
+        skipped.append(f"lesson 08's --grad-sync ({', '.join(args.grad_sync)}): one rank has "
+                       "no gradients to average with; it needs 2 or more ranks")
+    for mode in args.grad_sync if top > 1 else []:
+        training(knob_model, "lesson08", top, knob="grad_sync", value=mode,
+                 threads=args.threads_per_worker if device_type == "cpu" else None)
+
     # Bandwidth only where a link is crossed, at 2+ ranks: with one rank an all-reduce copies
     # nothing anywhere. On GPUs NCCL and gloo are compared on the same GPU tensors.
     backends = ["nccl", "gloo"] if device_type == "cuda" else ["gloo"]
@@ -574,6 +774,8 @@ def plan_cases(args, device_type, cores):
                     "case": "allreduce", "backend": bw_backend, "device": device_type,
                     "world_size": world_size, "size_bytes": size, "iters": args.allreduce_iters,
                     "warmup": 2, "threads_per_rank": max(1, cores // world_size)})
+    plan[top] = [{**noise_case, "noise_check": "start"}, *plan[top],
+                 {**noise_case, "noise_check": "end"}]
     index = 0
     for world_size in world_sizes:
         for case in plan[world_size]:
@@ -592,26 +794,37 @@ def find_row(rows, model, case, world_size):
 
 
 def add_speedups(rows):
-    """Speed-up and efficiency against one rank, vs_default, and DDP's own cost at 1 rank."""
+    """Speed-up and efficiency against one rank, efficiency against the ceiling, vs_default, and
+    DDP's own cost at 1 rank; all from the medians."""
     for row in rows:
-        # ddp-per-worker, zero1 and fsdp are compared with their own 1 rank; every other case
-        # with DDP at 1 rank (on CPU, with every core).
-        own = row["case"] in ("ddp-per-worker", *SHARDED)
+        # ddp-per-worker, ceiling, zero1 and fsdp are compared with their own 1 rank; every
+        # other case with DDP at 1 rank (on CPU, with every core).
+        own = row["case"] in ("ddp-per-worker", "ceiling", *SHARDED)
         base = find_row(rows, row["model"], row["case"] if own else "ddp", 1)
         default = find_row(rows, row["model"], "ddp", row["world_size"])
-        plain = find_row(rows, row["model"], "plain", 1)
+        ceiling = find_row(rows, row["model"], "ceiling", row["world_size"])
         if base:
             row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
             # Ideal: N ranks (or GPUs) do N times the work of one, efficiency 1.0. A single
             # process has no N to divide by.
-            if row["case"] in ("ddp", "dataparallel", "ddp-per-worker", *SHARDED):
+            if row["case"] not in ("plain", "single-process-all-cores"):
                 row["efficiency"] = row["speedup"] / row["world_size"]
+        # DDP (any knob), ZeRO-1 or FSDP against N independent processes with the same threads
+        # and batch per rank: 1.0 is all that this machine allows N workers, so what is missing
+        # is what the communication costs.
+        if (ceiling and row["case"] not in (*ALONE, "dataparallel")
+                and (row["threads_per_rank"], row["batch_per_rank"]) ==
+                (ceiling["threads_per_rank"], ceiling["batch_per_rank"])):
+            row["efficiency_vs_ceiling"] = row["samples_per_s"] / ceiling["samples_per_s"]
         # A knob, or a sharded strategy, against DDP with default settings on as many ranks.
         if default and (row["knob"] is not None or row["case"] in SHARDED):
             row["vs_default"] = row["samples_per_s"] / default["samples_per_s"]
-        if plain and row is find_row(rows, row["model"], "ddp", 1):
-            # What wrapping the model in DDP costs when there is nobody to talk to: the same
-            # loop, the same settings, the plain model's samples/s against DDP's.
+        # What wrapping the model in DDP costs when there is nobody to talk to: DDP with 1 rank
+        # against the plain model with the same threads, same loop, measured side by side
+        # (every core: plain; per worker: the ceiling's one process).
+        alone = {"ddp": "plain", "ddp-per-worker": "ceiling"}.get(row["case"])
+        plain = alone and find_row(rows, row["model"], alone, 1)
+        if plain and row is find_row(rows, row["model"], row["case"], 1):
             row["ddp_cost_pct"] = 100 * (1 - row["samples_per_s"] / plain["samples_per_s"])
     return rows
 
@@ -622,7 +835,9 @@ def write_rows(rows, fields, stem, out_dir):
     with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        # A list (each repeat's figure, in order) is one cell, its numbers separated by spaces.
+        writer.writerows({k: " ".join(map(str, v)) if isinstance(v, list) else v
+                          for k, v in row.items()} for row in rows)
 
 
 def format_bytes(size):
@@ -636,39 +851,65 @@ def number(value, spec):
     return "N/A" if value is None else format(value, spec)
 
 
+def spread(row):
+    return f"{row['samples_per_s_min']:.1f}-{row['samples_per_s_max']:.1f}"
+
+
 def print_tables(rows, bandwidth_rows):
-    print("\nTraining throughput (speed-up and efficiency = speed-up / world size, against 1 rank "
-          "of DDP, or for ddp-per-worker, zero1 and fsdp of the same case; vs default = against "
-          "DDP with default settings at the same world size; DDP cost = 1 - DDP/plain at world "
-          "size 1)")
+    print("\nTraining throughput: samples/s is the median of the repeats, min-max their spread. "
+          "Speed-up and efficiency (= speed-up / world size) against 1 rank of DDP, or for "
+          "ddp-per-worker, ceiling, zero1 and fsdp against 1 rank of the same case; vs ceiling = "
+          "against as many independent processes with the same threads and batch; vs default = "
+          "against DDP with default settings at the same world size; DDP cost = 1 - DDP/plain "
+          "at world size 1")
     header = (f"{'model':9} {'case':30} {'ws':>3} {'thr':>4} {'batch':>6} {'samples/s':>10} "
-              f"{'speed-up':>9} {'effic.':>7} {'vs default':>10} {'DDP cost':>8}")
+              f"{'min-max':>15} {'speed-up':>9} {'effic.':>7} {'vs ceil.':>8} "
+              f"{'vs default':>10} {'DDP cost':>8}")
     print(header)
     print("-" * len(header))
     for row in rows:
-        name = row["case"] if row["knob"] is None else f"{row['knob']}={row['knob_value']}"
+        name = case_name(row)
         cost = "" if row["ddp_cost_pct"] is None else f"{row['ddp_cost_pct']:.1f}%"
         print(f"{row['model']:9} {name:30} {row['world_size']:3d} {row['threads_per_rank']:4d} "
-              f"{row['global_batch']:6d} {row['samples_per_s']:10.1f} "
+              f"{row['global_batch']:6d} {row['samples_per_s']:10.1f} {spread(row):>15} "
               f"{number(row['speedup'], '9.2f'):>9} {number(row['efficiency'], '7.2f'):>7} "
+              f"{number(row['efficiency_vs_ceiling'], '8.2f'):>8} "
               f"{number(row['vs_default'], '10.2f'):>10} {cost:>8}")
     print()
     for model in dict.fromkeys(row["model"] for row in rows):
-        plain = find_row(rows, model, "plain", 1)
-        ddp = find_row(rows, model, "ddp", 1)
-        if plain and ddp:
-            print(f"{model}: DDP at world size 1 runs at {ddp['samples_per_s']:.1f} samples/s, "
-                  f"the plain model at {plain['samples_per_s']:.1f}: DDP's own cost is "
-                  f"{ddp['ddp_cost_pct']:.1f}% (nobody to talk to; what is left is the wrapper)")
+        for case, alone, what in (("ddp", "plain", "every core"),
+                                  ("ddp-per-worker", "ceiling", "per worker")):
+            plain, ddp = find_row(rows, model, alone, 1), find_row(rows, model, case, 1)
+            if plain and ddp:
+                print(f"{model}: {what}, DDP at world size 1 runs at {ddp['samples_per_s']:.1f} "
+                      f"samples/s ({spread(ddp)}), the plain model at "
+                      f"{plain['samples_per_s']:.1f} ({spread(plain)}): DDP's own cost is "
+                      f"{ddp['ddp_cost_pct']:.1f}% (nobody to talk to; what is left is the "
+                      f"wrapper)")
         per_worker = sorted((r for r in rows if r["model"] == model
                              and r["case"] == "ddp-per-worker"), key=lambda r: r["world_size"])
         if len(per_worker) > 1:
             one, top = per_worker[0], per_worker[-1]
             print(f"{model}: per worker ({one['threads_per_rank']} thread(s) per rank), "
-                  f"{top['world_size']} ranks run {top['samples_per_s']:.1f} samples/s against "
-                  f"{one['samples_per_s']:.1f} for 1 rank: DDP's efficiency "
-                  f"{top['efficiency']:.0%} = {top['samples_per_s']:.1f} / "
-                  f"({top['world_size']} x {one['samples_per_s']:.1f})")
+                  f"{top['world_size']} ranks run {top['samples_per_s']:.1f} samples/s "
+                  f"({spread(top)}) against {one['samples_per_s']:.1f} ({spread(one)}) for 1 "
+                  f"rank: DDP's efficiency {top['efficiency']:.0%} = "
+                  f"{top['samples_per_s']:.1f} / ({top['world_size']} x "
+                  f"{one['samples_per_s']:.1f})")
+            ceiling = find_row(rows, model, "ceiling", top["world_size"])
+            if ceiling:
+                print(f"{model}: ceiling, {ceiling['world_size']} independent processes at "
+                      f"once (no communication) run {ceiling['samples_per_s']:.1f} samples/s "
+                      f"({spread(ceiling)}), {ceiling['efficiency']:.0%} of "
+                      f"{ceiling['world_size']} x one process alone: DDP's efficiency against "
+                      f"this ceiling is {top['efficiency_vs_ceiling']:.0%}")
+            tuned = [r for r in rows if r["model"] == model and r["world_size"] == top["world_size"]
+                     and r["case"] == "ddp" and r["knob"] is not None
+                     and r["efficiency_vs_ceiling"] is not None]
+            if tuned:
+                best = max(tuned, key=lambda r: r["efficiency_vs_ceiling"])
+                print(f"{model}: the knob closest to the ceiling is {best['knob']}="
+                      f"{best['knob_value']}, at {best['efficiency_vs_ceiling']:.0%} of it")
             all_cores = find_row(rows, model, "single-process-all-cores", 1)
             shared = find_row(rows, model, "ddp", top["world_size"])
             if all_cores and shared:
@@ -676,22 +917,26 @@ def print_tables(rows, bandwidth_rows):
                       f"threads and batch {all_cores['global_batch']} runs "
                       f"{all_cores['samples_per_s']:.1f} samples/s; {shared['world_size']} DDP "
                       f"ranks sharing the same cores run {shared['samples_per_s']:.1f}")
-        best = max((r for r in rows if r["model"] == model and r["knob"] is None),
-                   key=lambda r: r["samples_per_s"])
+        # The ceiling trains N separate models: not a way to train this one.
+        best = max((r for r in rows if r["model"] == model and r["knob"] is None
+                    and r["case"] != "ceiling"), key=lambda r: r["samples_per_s"])
         print(f"{model}: fastest is {best['case']} with world size {best['world_size']}, "
               f"{best['samples_per_s']:.1f} samples/s")
     print_memory(rows)
     if bandwidth_rows:
-        print("\nAll-reduce bandwidth (algbw = bytes / time; busbw = algbw * 2(n-1)/n, as "
-              "nccl-tests defines it; N/A with 1 rank)")
+        print("\nAll-reduce bandwidth (time/op: the median of the repeats, min-max their "
+              "spread; algbw = bytes / time; busbw = algbw * 2(n-1)/n, as nccl-tests defines "
+              "it; N/A with 1 rank)")
         header = (f"{'backend':8} {'device':6} {'ws':>3} {'size':>10} {'time/op':>11} "
-                  f"{'algbw GB/s':>11} {'busbw GB/s':>11}")
+                  f"{'min-max, ms':>17} {'algbw GB/s':>11} {'busbw GB/s':>11}")
         print(header)
         print("-" * len(header))
         for row in bandwidth_rows:
             print(f"{row['backend']:8} {row['device']:6} {row['world_size']:3d} "
                   f"{format_bytes(row['size_bytes']):>10} "
-                  f"{row['seconds_per_op'] * 1e3:8.3f} ms {row['algbw_GBps']:11.3f} "
+                  f"{row['seconds_per_op'] * 1e3:8.3f} ms "
+                  f"{row['seconds_per_op_min'] * 1e3:8.3f}-{row['seconds_per_op_max'] * 1e3:.3f}"
+                  f" {row['algbw_GBps']:11.3f} "
                   f"{number(row['busbw_GBps'], '11.3f'):>11}")
 
 
@@ -736,11 +981,20 @@ def print_memory(rows):
 
 
 def plot(rows, bandwidth_rows, path):
+    """samples/s against world size per model, each point the median with its spread as an
+    error bar (min to max); the all-reduce bandwidth."""
     # Imported here: only the launching process plots, and the ranks skip matplotlib's import.
     import matplotlib
 
     matplotlib.use("Agg")  # write a file; no window, no display needed
     import matplotlib.pyplot as plt
+
+    def curve(ax, points, fmt, **style):
+        points = sorted(points, key=lambda r: r["world_size"])
+        ax.errorbar([r["world_size"] for r in points], [r["samples_per_s"] for r in points],
+                    yerr=[[r["samples_per_s"] - r["samples_per_s_min"] for r in points],
+                          [r["samples_per_s_max"] - r["samples_per_s"] for r in points]],
+                    fmt=fmt, capsize=3, **style)
 
     models = list(dict.fromkeys(row["model"] for row in rows))
     panels = len(models) + (1 if bandwidth_rows else 0)
@@ -749,36 +1003,35 @@ def plot(rows, bandwidth_rows, path):
         mine = [r for r in rows if r["model"] == model and r["knob"] is None]
         ddp = sorted((r for r in mine if r["case"] == "ddp"), key=lambda r: r["world_size"])
         sizes = [r["world_size"] for r in ddp]
-        label = "DDP" if ddp[0]["device"] == "cuda" else "DDP, ranks sharing the cores"
-        ax.plot(sizes, [r["samples_per_s"] for r in ddp], "o-", label=label)
+        curve(ax, ddp, "o-",
+              label="DDP" if ddp[0]["device"] == "cuda" else "DDP, ranks sharing the cores")
         ax.plot(sizes, [ddp[0]["samples_per_s"] * w for w in sizes], "k--", alpha=0.5,
                 label="ideal linear scaling")
         per_worker = sorted((r for r in mine if r["case"] == "ddp-per-worker"),
                             key=lambda r: r["world_size"])
         if per_worker:
             threads = per_worker[0]["threads_per_rank"]
-            ax.plot([r["world_size"] for r in per_worker],
-                    [r["samples_per_s"] for r in per_worker], "^-", color="tab:purple",
-                    label=f"DDP, {threads} thread(s) per rank (per worker)")
+            curve(ax, per_worker, "^-", color="tab:purple",
+                  label=f"DDP, {threads} thread(s) per rank (per worker)")
             ax.plot(sizes, [per_worker[0]["samples_per_s"] * w for w in sizes], ":",
                     color="tab:purple", alpha=0.5, label="its ideal linear scaling")
+            curve(ax, [r for r in mine if r["case"] == "ceiling"], "x--", color="tab:gray",
+                  label="ceiling: as many independent processes, no communication")
         for case, marker in zip(SHARDED, ("v-", "D-"), strict=True):
-            sharded = sorted((r for r in mine if r["case"] == case), key=lambda r: r["world_size"])
+            sharded = [r for r in mine if r["case"] == case]
             if sharded:
-                ax.plot([r["world_size"] for r in sharded], [r["samples_per_s"] for r in sharded],
-                        marker, label={"zero1": "ZeRO-1", "fsdp": "FSDP"}[case])
-        dataparallel = sorted((r for r in mine if r["case"] == "dataparallel"),
-                              key=lambda r: r["world_size"])
+                curve(ax, sharded, marker, label={"zero1": "ZeRO-1", "fsdp": "FSDP"}[case])
+        dataparallel = [r for r in mine if r["case"] == "dataparallel"]
         if dataparallel:
-            ax.plot([r["world_size"] for r in dataparallel],
-                    [r["samples_per_s"] for r in dataparallel], "s-", label="DataParallel")
-        for row, style in ((r, ":") for r in mine
-                           if r["case"] in ("plain", "single-process-all-cores")):
-            ax.axhline(row["samples_per_s"], linestyle=style,
-                       color="tab:green" if row["case"] == "plain" else "tab:red",
+            curve(ax, dataparallel, "s-", label="DataParallel")
+        for row in (r for r in mine if r["case"] in ("plain", "single-process-all-cores")):
+            color = "tab:green" if row["case"] == "plain" else "tab:red"
+            ax.axhline(row["samples_per_s"], linestyle=":", color=color,
                        label=f"{row['case']} ({row['threads_per_rank']} threads, "
                              f"batch {row['global_batch']})")
-        ax.set_title(f"{model} ({ddp[0]['device']}, {ddp[0]['backend']})")
+            ax.axhspan(row["samples_per_s_min"], row["samples_per_s_max"], color=color,
+                       alpha=0.15)
+        ax.set_title(f"{model} ({ddp[0]['device']}, {ddp[0]['backend']}; median, min-max)")
         ax.set_xlabel("world size (ranks; GPUs for DataParallel)")
         ax.set_ylabel("samples / s")
         ax.set_xticks(sizes)
@@ -792,16 +1045,42 @@ def plot(rows, bandwidth_rows, path):
             mine = [r for r in bandwidth_rows if (r["backend"], r["device"], r["world_size"])
                     == (backend, device, world_size)]
             key = "busbw_GBps" if world_size > 1 else "algbw_GBps"
-            ax.plot([r["size_bytes"] for r in mine], [r[key] for r in mine], "o-",
-                    label=f"{backend} {device} ws={world_size} ({key.split('_')[0]})")
+            # Bandwidth is bytes / time: the fastest repeat gives the top of the bar.
+            ax.errorbar([r["size_bytes"] for r in mine], [r[key] for r in mine],
+                        yerr=[[r[key] * (1 - r["seconds_per_op"] / r["seconds_per_op_max"])
+                               for r in mine],
+                              [r[key] * (r["seconds_per_op"] / r["seconds_per_op_min"] - 1)
+                               for r in mine]],
+                        fmt="o-", capsize=3,
+                        label=f"{backend} {device} ws={world_size} ({key.split('_')[0]})")
         ax.set_xscale("log", base=2)
-        ax.set_title("all-reduce bandwidth")
+        ax.set_title("all-reduce bandwidth (median, min-max)")
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("GB/s")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def noise_check(what, start, end, load, limit_pct=NOISE_LIMIT_PCT):
+    """Did the machine hold still? start and end: the medians, in samples/s, of the same case
+    measured before the last launch's rounds and after them.
+
+    Returns (difference in % of start, message): message is None when the two agree within
+    limit_pct; otherwise one line saying that the machine was too busy for the run's figures,
+    with its load average (os.getloadavg: processes running or waiting for a core, averaged
+    over 1, 5 and 15 minutes) and what to do."""
+    difference = 100 * (end - start) / start
+    if abs(difference) <= limit_pct:
+        return difference, None
+    averages = "unknown" if load is None else ", ".join(f"{value:.2f}" for value in load)
+    return difference, (
+        f"too busy: the machine was too busy for these figures: {what} ran {start:.1f} "
+        f"samples/s before the rounds and {end:.1f} after them, {difference:+.1f}% (more "
+        f"than {limit_pct:g}%); load average {averages} (1, 5, 15 min). Stop what else runs "
+        f"(top lists it), wait until the 1-minute load average is well below the number of "
+        f"cores, and run again")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -830,8 +1109,8 @@ def main(args):
     if "resnet18" in args.models:
         layout = "channels_last" if args.channels_last else "contiguous (NCHW)"
         print(f"resnet18: random {args.image_size}x{args.image_size} images, batch "
-              f"{args.batch_size} per rank, {args.steps} timed steps after {args.warmup} "
-              f"warm-up steps, {args.precision}"
+              f"{args.batch_size} per rank, {args.steps} timed steps per repeat after "
+              f"{args.warmup} warm-up steps, {args.precision}"
               f"{' autocast' if args.precision == 'bf16' else ''}, {layout}"
               f"{', cudnn.benchmark' if device_type == 'cuda' else ''}", flush=True)
         if args.precision_note:
@@ -841,16 +1120,24 @@ def main(args):
                   "parameters", flush=True)
     if "wine-mlp" in args.models:
         print(f"wine-mlp: random 13-feature rows, batch {args.batch_size} per rank, "
-              f"{args.mlp_steps} timed steps after {args.warmup} warm-up steps", flush=True)
+              f"{args.mlp_steps} timed steps per repeat after {args.warmup} warm-up steps",
+              flush=True)
     for reason in skipped:
         print(f"skipped: {reason}", flush=True)
-    print(f"{total} cases over world sizes 1..{args.max_world_size} ({backend})", flush=True)
+    print(f"{total} cases over world sizes 1..{args.max_world_size} ({backend}), each the "
+          f"median of {args.repeats} repeats, measured in rounds", flush=True)
 
     results = []
     for world_size, cases in plan.items():
         results += run_world_size(world_size, backend, cases, total, args)
+    first, again = (next(r for r in results if r.get("noise_check") == when)
+                    for when in ("start", "end"))
+    results = [r for r in results if "noise_check" not in r]
     rows = add_speedups([r for r in results if "samples_per_s" in r])
     bandwidth_rows = [r for r in results if "algbw_GBps" in r]
+    what = f"{first['model']} plain, world size 1, every core"
+    difference, too_busy = noise_check(what, first["samples_per_s"], again["samples_per_s"],
+                                       load_average())
 
     write_rows(rows, ROW_FIELDS, "results", args.out_dir)
     write_rows(bandwidth_rows, BANDWIDTH_FIELDS, "allreduce", args.out_dir)
@@ -862,11 +1149,24 @@ def main(args):
         "torch": torch.__version__, "python": sys.version.split()[0],
         "load_average_start": load_start, "load_average_end": load_average(),
         "wall_seconds": time.time() - start,
+        "noise_check": {
+            "case": what, "limit_pct": NOISE_LIMIT_PCT, "difference_pct": difference,
+            "too_busy": too_busy is not None, "message": too_busy,
+            **{f"{when}_{field}": row[field] for when, row in (("start", first), ("end", again))
+               for field in ("samples_per_s", "samples_per_s_min", "samples_per_s_max",
+                             "processes", "repeat_order")}},
         "settings": {k: v for k, v in vars(args).items()},
     }
     with open(os.path.join(args.out_dir, "run.json"), "w") as f:
         json.dump(run_info, f, indent=2)
     print_tables(rows, bandwidth_rows)
+    print(f"\nnoise check: {what} ran {first['samples_per_s']:.1f} samples/s ({spread(first)}) "
+          f"before the last launch's rounds and {again['samples_per_s']:.1f} ({spread(again)}) "
+          f"after them, "
+          f"{difference:+.1f}%" + (f": within {NOISE_LIMIT_PCT:g}%, the machine held still"
+                                   if too_busy is None else ""))
+    if too_busy:
+        print(too_busy)
     print(f"\ndone in {run_info['wall_seconds']:.0f} s; load average now "
           f"{run_info['load_average_end']} | results in {args.out_dir}", flush=True)
 
@@ -894,7 +1194,8 @@ def parse_list(text, allowed, flag):
 def default_settings(device_type, quick, bf16_supported=False):
     """The defaults of the flags that depend on the device, as {name: value}.
 
-    CPU: small inputs, so that the full run takes minutes on a 2-core laptop. CUDA: ResNet-18 as
+    Steps are per repeat: every figure is the median of `repeats` of them. CPU: small inputs,
+    so that the full run takes minutes on a 2-core laptop. CUDA: ResNet-18 as
     it is trained on a GPU, 224x224 images, batch 256 per GPU, bf16 autocast and channels_last,
     so that a step keeps the GPU busy. A step of 16 small images is over before Python has
     launched the next kernels: it would time the launches (and make DDP's few hundred
@@ -902,14 +1203,14 @@ def default_settings(device_type, quick, bf16_supported=False):
     if device_type == "cuda":
         # Native bf16 needs compute capability 8.0 (Ampere) or newer; older GPUs stay in fp32.
         precision = "bf16" if bf16_supported else "fp32"
-        table = {"batch_size": (256, 256), "image_size": (224, 224), "steps": (50, 20),
+        table = {"batch_size": (256, 256), "image_size": (224, 224), "steps": (20, 10),
                  "warmup": (10, 5), "precision": (precision, precision),
                  "channels_last": (True, True)}
     else:
-        table = {"batch_size": (16, 8), "image_size": (112, 64), "steps": (15, 10),
+        table = {"batch_size": (16, 8), "image_size": (112, 64), "steps": (6, 4),
                  "warmup": (3, 2), "precision": ("fp32", "fp32"),
                  "channels_last": (False, False)}
-    table.update({"mlp_steps": (500, 200), "allreduce_iters": (20, 5),
+    table.update({"repeats": (5, 3), "mlp_steps": (200, 100), "allreduce_iters": (10, 5),
                   "allreduce_sizes": ("4K,64K,1M,16M,64M", "4K,1M,16M")})
     return {name: quick_value if quick else full for name, (full, quick_value) in table.items()}
 
@@ -929,8 +1230,9 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true",
-                        help="fewer steps, and on the CPU smaller inputs: about 40 s on a 2-core "
-                             "laptop; sets the defaults below marked (quick: ...)")
+                        help="fewer repeats and steps, and on the CPU smaller inputs: about a "
+                             "minute on a 2-core laptop; sets the defaults below marked "
+                             "(quick: ...)")
     parser.add_argument("--out-dir", default="runs/benchmarks",
                         help="folder for results.json/.csv, allreduce.json/.csv, run.json and "
                              "scaling.png")
@@ -952,15 +1254,20 @@ def parse_args(argv=None):
     parser.add_argument("--channels-last", default=None, action=argparse.BooleanOptionalAction,
                         help="ResNet-18's weights and images in channels_last (N,H,W,C) memory "
                              "format (CPU: off; GPU: on)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="measurements of every case, taken in rounds (one of each case "
+                             "per round); each figure is their median, printed with min-max "
+                             "(default 5; quick: 3)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps for ResNet-18 and the knobs (CPU: 15, quick: 10; "
-                             "GPU: 50, quick: 20)")
+                        help="timed steps per repeat for ResNet-18 and the knobs (CPU: 6, "
+                             "quick: 4; GPU: 20, quick: 10)")
     parser.add_argument("--mlp-steps", type=int, default=None,
-                        help="timed steps for the wine MLP, whose steps take well under a "
-                             "millisecond (default 500; quick: 200)")
+                        help="timed steps per repeat for the wine MLP, whose steps take well "
+                             "under a millisecond (default 200; quick: 100)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed steps before each timing (CPU: 3, quick: 2; GPU: 10, "
-                             "quick: 5)")
+                        help="untimed steps once per case, before its first repeat; at least 1, "
+                             "which allocates memory and lets DDP set up its buckets (CPU: 3, "
+                             "quick: 2; GPU: 10, quick: 5)")
     parser.add_argument("--threads-per-worker", type=int, default=None,
                         help="CPU threads of each rank in the per-worker case, where 1 rank and "
                              "N ranks all get this many (default: cores // max world size)")
@@ -970,15 +1277,21 @@ def parse_args(argv=None):
     parser.add_argument("--sharded", default=",".join(SHARDED),
                         help="lesson 07's strategies to measure next to DDP at every world size, "
                              "comma-separated, or none")
+    parser.add_argument("--grad-sync", default="none",
+                        help="lesson 08's gradient synchronisations to measure on ResNet-18 at "
+                             "the largest world size (on the CPU with the per-worker threads), "
+                             f"comma-separated from {','.join(GRAD_SYNC)}, or none; it imports "
+                             "08_ddp_from_scratch/train.py")
     parser.add_argument("--accumulate", type=int, default=4,
                         help="micro-batches per optimizer step for the no_sync knob")
     parser.add_argument("--allreduce-sizes", default=None,
                         help="all-reduce message sizes (default 4K,64K,1M,16M,64M; quick: "
                              "4K,1M,16M)")
     parser.add_argument("--allreduce-iters", type=int, default=None,
-                        help="timed all-reduces per size (default 20; quick: 5)")
+                        help="timed all-reduces per size per repeat (default 10; quick: 5)")
     parser.add_argument("--timeout", type=int, default=300,
-                        help="seconds any one case may take before the ranks are stopped")
+                        help="seconds a case's build or one of its repeats may take before the "
+                             "ranks are stopped")
     args = parser.parse_args(argv)
 
     gpus = torch.cuda.device_count()
@@ -1004,6 +1317,10 @@ def parse_args(argv=None):
     args.models = parse_list(args.models, MODELS, "--models")
     args.knobs = parse_list(args.knobs, KNOBS, "--knobs")
     args.sharded = parse_list(args.sharded, SHARDED, "--sharded")
+    args.grad_sync = parse_list(args.grad_sync, GRAD_SYNC, "--grad-sync")
+    if args.grad_sync and not (LESSON08 / "train.py").exists():
+        fail(f"--grad-sync needs lesson 08's {LESSON08 / 'train.py'}, which is missing; run "
+             "from a full copy of the course, or leave --grad-sync out")
     args.allreduce_sizes = [parse_size(s.strip()) for s in args.allreduce_sizes.split(",")
                             if s.strip()]
 
@@ -1015,11 +1332,10 @@ def parse_args(argv=None):
     if args.threads_per_worker is None:
         args.threads_per_worker = max(1, cpu_cores() // max(args.max_world_size, 1))
     for name in ("max_world_size", "batch_size", "image_size", "steps", "mlp_steps",
-                 "accumulate", "allreduce_iters", "timeout", "threads_per_worker"):
+                 "accumulate", "allreduce_iters", "timeout", "threads_per_worker", "repeats",
+                 "warmup"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
-    if args.warmup < 0:
-        fail(f"--warmup must be 0 or more (got {args.warmup})")
     if "resnet18" in args.models and args.image_size < 32:
         fail(f"--image-size {args.image_size} is too small for ResNet-18's five halvings; "
              "use 32 or more")

@@ -1,8 +1,10 @@
 """benchmarks/scaling.py, run the way a workshop runs it: --quick, on an even tinier configuration.
 
 The figures themselves depend on the machine; what is checked is that the run finishes, writes
-every file, that the rows have the documented schema and that every derived figure (speed-up,
-efficiency, DDP's cost at world size 1) is the documented formula of the measured ones. The GPU
+every file, that the rows have the documented schema, that every figure is the median of repeats
+measured in rounds (round robin), that every derived figure (speed-up, efficiency, efficiency
+against the ceiling, DDP's cost at world size 1) is the documented formula of the measured ones,
+and what the noise check says when two measurements disagree. Nothing is timed here. The GPU
 settings, which no CPU run exercises, are checked on a pretend GPU: the defaults and the plan of
 cases a run on 1 or 2 GPUs would measure, built without touching CUDA."""
 
@@ -11,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -21,14 +24,20 @@ import torch
 from helpers import GPUS, ROOT, assert_one_line_error, fsdp_rows
 
 SCRIPT = ROOT / "benchmarks" / "scaling.py"
-# Tiny: 32x32 images, batch 2, a couple of steps. Every case still runs, on 1 and 2 ranks.
-TINY = ["--quick", "--image-size", 32, "--batch-size", 2, "--steps", 2, "--warmup", 1,
-        "--mlp-steps", 10, "--allreduce-sizes", "4K,64K", "--allreduce-iters", 2]
-ROW_TYPES = {"model": str, "case": str, "world_size": int, "backend": str, "device": str,
-             "threads_per_rank": int, "batch_per_rank": int, "global_batch": int,
+# Tiny: 32x32 images, batch 2, one step per repeat, 2 repeats (the fewest that show the
+# rounds). Every case still runs, on 1 and 2 ranks.
+REPEATS = 2
+TINY = ["--quick", "--image-size", 32, "--batch-size", 2, "--steps", 1, "--warmup", 1,
+        "--mlp-steps", 10, "--allreduce-sizes", "4K,64K", "--allreduce-iters", 2,
+        "--repeats", REPEATS]
+ROW_TYPES = {"model": str, "case": str, "world_size": int, "processes": int, "backend": str,
+             "device": str, "threads_per_rank": int, "batch_per_rank": int, "global_batch": int,
              "precision": str, "channels_last": bool, "accumulate": int, "steps": int,
-             "warmup": int, "seconds": float, "samples_per_s": float}
-OPTIONAL_FLOATS = ("speedup", "efficiency", "vs_default", "ddp_cost_pct")
+             "warmup": int, "repeats": int, "seconds": float, "samples_per_s": float,
+             "samples_per_s_min": float, "samples_per_s_max": float,
+             "repeat_samples_per_s": list, "repeat_order": list}
+OPTIONAL_FLOATS = ("speedup", "efficiency", "efficiency_vs_ceiling", "vs_default",
+                   "ddp_cost_pct")
 MEMORY = ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
@@ -92,13 +101,13 @@ def test_rows_have_the_schema(cpu_run):
         assert row["image_size"] == (32 if row["model"] == "resnet18" else None), row
     assert {row["model"] for row in rows} == {"wine-mlp", "resnet18"}
     for model in ("wine-mlp", "resnet18"):
-        for case in ("ddp", "ddp-per-worker", "zero1", "fsdp"):
+        for case in ("ddp", "ddp-per-worker", "ceiling", "zero1", "fsdp"):
             sizes = {r["world_size"] for r in rows if r["model"] == model and r["case"] == case
                      and r["knob"] is None}
             assert sizes == {1, 2}, (model, case)
         cases = {r["case"] for r in rows if r["model"] == model}
         assert cases == {"plain", "ddp", "zero1", "fsdp", "single-process-all-cores",
-                         "ddp-per-worker"}, cases
+                         "ddp-per-worker", "ceiling"}, cases
         base = next(r for r in rows if r["model"] == model and r["case"] == "ddp"
                     and r["world_size"] == 1)
         assert base["speedup"] == pytest.approx(1.0) and base["efficiency"] == pytest.approx(1.0)
@@ -113,10 +122,44 @@ def test_threads_are_split_between_ranks(cpu_run):
             assert row["global_batch"] == row["batch_per_rank"] * row["world_size"], row
         if row["case"] == "single-process-all-cores":
             assert (row["threads_per_rank"], row["global_batch"]) == (CORES, 4), row
-        if row["case"] == "ddp-per-worker":
-            # 1 rank as well as 2 get the threads of one of 2 ranks: cores // 2.
+        if row["case"] in ("ddp-per-worker", "ceiling"):
+            # 1 rank as well as 2 get the threads of one of 2 ranks: cores // 2, and all of them
+            # are measured in the 2-rank launch, side by side.
             assert row["threads_per_rank"] == max(1, CORES // 2), row
             assert row["global_batch"] == row["batch_per_rank"] * row["world_size"], row
+            assert row["processes"] == 2, row
+        elif row["case"] != "dataparallel":
+            assert row["processes"] == row["world_size"], row
+
+
+def test_every_figure_is_the_median_of_repeats_measured_in_rounds(cpu_run):
+    """Each row holds its repeats, in the order measured, and their median and spread; within
+    a launch every case's repeat r comes before any case's repeat r + 1 (round robin), so a
+    case's repeats are never measured back to back. Measuring one case's repeats in a row
+    fails here."""
+    _, out_dir = cpu_run
+    rows, _ = read_rows(out_dir, "results")
+    bandwidth, _ = read_rows(out_dir, "allreduce")
+    for row in rows:
+        each = row["repeat_samples_per_s"]
+        assert row["repeats"] == len(each) == len(row["repeat_order"]) == REPEATS, row
+        assert row["samples_per_s"] == pytest.approx(statistics.median(each)), row
+        assert (row["samples_per_s_min"], row["samples_per_s_max"]) == (min(each), max(each))
+        assert row["samples_per_s_min"] <= row["samples_per_s"] <= row["samples_per_s_max"]
+        samples = row["global_batch"] * row["steps"]
+        assert row["seconds"] == pytest.approx(statistics.median(samples / x for x in each))
+    for row in bandwidth:
+        assert row["repeats"] == len(row["repeat_order"]) == REPEATS, row
+        assert row["seconds_per_op_min"] <= row["seconds_per_op"] <= row["seconds_per_op_max"]
+    launches = {}
+    for row in rows + bandwidth:
+        launches.setdefault(row.get("processes", row["world_size"]), []).append(row["repeat_order"])
+    assert set(launches) == {1, 2}
+    for orders in launches.values():
+        positions = [p for order in orders for p in order]
+        assert len(set(positions)) == len(positions), "two measurements at one position"
+        for repeat in range(REPEATS - 1):
+            assert max(o[repeat] for o in orders) < min(o[repeat + 1] for o in orders), orders
 
 
 def test_derived_figures_are_their_formulas(cpu_run):
@@ -132,17 +175,30 @@ def test_derived_figures_are_their_formulas(cpu_run):
         plain, ddp1 = find(model, "plain", 1), find(model, "ddp", 1)
         cost = 100 * (1 - ddp1["samples_per_s"] / plain["samples_per_s"])
         assert ddp1["ddp_cost_pct"] == pytest.approx(cost), ddp1
-        printed = re.search(rf"{model}: DDP at world size 1 .* own cost is (-?[\d.]+)%",
-                            result.stdout)
+        printed = re.search(rf"{model}: every core, DDP at world size 1 .* own cost is "
+                            rf"(-?[\d.]+)%", result.stdout)
         assert printed and float(printed[1]) == pytest.approx(cost, abs=0.051), result.stdout
-        for case in ("ddp", "ddp-per-worker", "zero1", "fsdp"):
+        for case in ("ddp", "ddp-per-worker", "ceiling", "zero1", "fsdp"):
             one, two = find(model, case, 1), find(model, case, 2)
             # Efficiency = samples/s of N ranks / (N x samples/s of 1 rank of the same case).
             assert two["efficiency"] == pytest.approx(
                 two["samples_per_s"] / (2 * one["samples_per_s"])), two
             assert two["speedup"] == pytest.approx(two["samples_per_s"] / one["samples_per_s"])
-        per_worker = find(model, "ddp-per-worker", 2)
+        per_worker, ceiling = find(model, "ddp-per-worker", 2), find(model, "ceiling", 2)
         assert f"DDP's efficiency {per_worker['efficiency']:.0%}" in result.stdout
+        # Against the ceiling: 2 independent processes with the same threads and batch.
+        assert per_worker["efficiency_vs_ceiling"] == pytest.approx(
+            per_worker["samples_per_s"] / ceiling["samples_per_s"]), per_worker
+        assert f"against this ceiling is {per_worker['efficiency_vs_ceiling']:.0%}" in \
+            result.stdout
+        for row in (r for r in rows if r["model"] == model):
+            has_ceiling = row["case"] in ("ddp", "ddp-per-worker", "zero1", "fsdp") and \
+                row["threads_per_rank"] == ceiling["threads_per_rank"]
+            assert (row["efficiency_vs_ceiling"] is not None) == has_ceiling, row
+        alone = find(model, "ceiling", 1)
+        per_worker_cost = 100 * (1 - find(model, "ddp-per-worker", 1)["samples_per_s"] /
+                                 alone["samples_per_s"])
+        assert find(model, "ddp-per-worker", 1)["ddp_cost_pct"] == pytest.approx(per_worker_cost)
         # A sharded strategy against DDP on as many ranks: what sharding costs in samples/s.
         for case in ("zero1", "fsdp"):
             for world_size in (1, 2):
@@ -151,7 +207,8 @@ def test_derived_figures_are_their_formulas(cpu_run):
                     row["samples_per_s"] / find(model, "ddp", world_size)["samples_per_s"]), row
     only = [(r["model"], r["case"], r["world_size"]) for r in rows
             if r["ddp_cost_pct"] is not None]
-    assert only == [("wine-mlp", "ddp", 1), ("resnet18", "ddp", 1)], only
+    assert sorted(only) == sorted((model, case, 1) for model in ("wine-mlp", "resnet18")
+                                  for case in ("ddp", "ddp-per-worker")), only
 
 
 def test_every_knob_is_measured_on_resnet18_at_the_largest_world_size(cpu_run):
@@ -218,7 +275,9 @@ def test_csv_has_the_same_rows_as_the_json(cpu_run):
         rows, csv_rows = read_rows(out_dir, stem)
         assert len(csv_rows) == len(rows), stem
         for row, csv_row in zip(rows, csv_rows, strict=True):
-            assert csv_row == {k: "" if v is None else str(v) for k, v in row.items()}, stem
+            # A list (each repeat's figure) is one cell, its numbers separated by spaces.
+            assert csv_row == {k: "" if v is None else " ".join(map(str, v))
+                               if isinstance(v, list) else str(v) for k, v in row.items()}, stem
 
 
 def test_allreduce_bandwidth_follows_the_nccl_tests_definition(cpu_run):
@@ -226,6 +285,7 @@ def test_allreduce_bandwidth_follows_the_nccl_tests_definition(cpu_run):
     rows, _ = read_rows(out_dir, "allreduce")
     assert {(r["world_size"], r["size_bytes"]) for r in rows} == {(2, 4096), (2, 65536)}
     for row in rows:
+        # From the median time per all-reduce.
         assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["seconds_per_op"] / 1e9)
         # busbw = algbw * 2(n-1)/n, which is algbw itself with n = 2.
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
@@ -233,41 +293,100 @@ def test_allreduce_bandwidth_follows_the_nccl_tests_definition(cpu_run):
 
 def test_progress_and_table_are_printed(cpu_run):
     result, _ = cpu_run
-    assert "[1/29] wine-mlp plain ws=1" in result.stdout, result.stdout
-    assert "[3/29] wine-mlp zero1 ws=1" in result.stdout, result.stdout
-    assert "[29/29] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
+    assert "[1/35] wine-mlp plain ws=1" in result.stdout, result.stdout
+    assert "[3/35] wine-mlp zero1 ws=1" in result.stdout, result.stdout
+    assert "[11/35] resnet18 plain (noise check, before the rounds) ws=1" in result.stdout
+    assert "[34/35] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
+    assert "[35/35] resnet18 plain (noise check, after the rounds) ws=1" in result.stdout
+    assert f"world size 2: round {REPEATS}/{REPEATS} done" in result.stdout, result.stdout
     assert "GPU cases (NCCL DDP, DataParallel, NCCL vs gloo on GPU tensors) skipped" in \
         result.stdout
     for title in ("Training throughput", "Memory per rank, MiB", "All-reduce bandwidth"):
         assert title in result.stdout, result.stdout
 
 
+def test_noise_check_measures_one_case_before_and_after_the_rounds(cpu_run):
+    """run.json records both medians of the plain model at world size 1, measured in the last
+    launch (the other rank waiting): every repeat of the first before the rounds, every repeat
+    of the second after them; neither is a results row."""
+    result, out_dir = cpu_run
+    rows, _ = read_rows(out_dir, "results")
+    bandwidth, _ = read_rows(out_dir, "allreduce")
+    with open(out_dir / "run.json") as f:
+        check = json.load(f)["noise_check"]
+    assert check["case"] == "resnet18 plain, world size 1, every core"
+    assert (check["start_processes"], check["end_processes"]) == (2, 2)
+    rounds = [p for r in rows + bandwidth if r.get("processes", r["world_size"]) == 2
+              for p in r["repeat_order"]]
+    assert len(check["start_repeat_order"]) == len(check["end_repeat_order"]) == REPEATS
+    assert max(check["start_repeat_order"]) < min(rounds)
+    assert max(rounds) < min(check["end_repeat_order"])
+    assert check["difference_pct"] == pytest.approx(
+        100 * (check["end_samples_per_s"] / check["start_samples_per_s"] - 1))
+    assert check["limit_pct"] == 5
+    assert check["too_busy"] == (abs(check["difference_pct"]) > 5)
+    assert (check["message"] is not None) == check["too_busy"]
+    assert f"noise check: {check['case']} ran {check['start_samples_per_s']:.1f}" in \
+        result.stdout, result.stdout
+    assert len([r for r in rows if r["case"] == "plain" and r["model"] == "resnet18"]) == 1
+
+
+def test_noise_check_says_when_the_machine_is_too_busy():
+    """Within 5% there is nothing to say; beyond it, in either direction, one line that names
+    the case, both figures, the load average and what to do."""
+    scaling = import_script()
+    what = "resnet18 plain, world size 1, every core"
+    difference, message = scaling.noise_check(what, 60.0, 57.3, [0.4, 0.3, 0.2])
+    assert difference == pytest.approx(-4.5) and message is None
+    for end in (56.9, 63.1):
+        difference, message = scaling.noise_check(what, 60.0, end, [3.25, 2.5, 1.0])
+        assert abs(difference) > 5 and "\n" not in message, message
+        for fragment in ("too busy for these figures", what, "60.0 samples/s", f"{end:.1f}",
+                         f"{difference:+.1f}%", "load average 3.25, 2.50, 1.00", "run again"):
+            assert fragment in message, (fragment, message)
+    assert "load average unknown" in scaling.noise_check(what, 60.0, 50.0, None)[1]
+
+
+def test_bad_input_is_one_line_error(tmp_path):
+    """As a learner types it: no traceback, one line that names the fix."""
+    result = run_benchmark("--models", "alexnet", "--device", "cpu", "--out-dir", tmp_path,
+                           timeout=60)
+    assert_one_line_error(result, "--models: unknown alexnet")
+
+
 @pytest.mark.parametrize("args, fragment", [
-    (["--models", "alexnet"], "--models: unknown alexnet"),
     (["--knobs", "fast"], "--knobs: unknown fast"),
     (["--allreduce-sizes", "lots"], "--allreduce-sizes"),
-    (["--max-world-size", 0], "--max-world-size must be at least 1"),
+    (["--max-world-size", "0"], "--max-world-size must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--warmup", "0"], "--warmup must be at least 1"),
 ])
-def test_bad_input_is_one_line_error(args, fragment, tmp_path):
-    result = run_benchmark(*args, "--device", "cpu", "--out-dir", tmp_path, timeout=60)
-    assert_one_line_error(result, fragment)
+def test_bad_arguments_stop_with_one_line(args, fragment):
+    """The same check as above for every other flag, in this process: parse_args stops through
+    fail(), whose SystemExit message is the line the command prints."""
+    with pytest.raises(SystemExit) as exit_info:
+        import_script().parse_args([*args, "--device", "cpu"])
+    message = str(exit_info.value)
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert fragment in message, message
 
 
 def test_defaults_per_device():
-    """GPU-sized work on CUDA; the CPU's small, fast defaults unchanged."""
+    """GPU-sized work on CUDA; the CPU's small, fast defaults; 5 repeats (3 with --quick)."""
     scaling = import_script()
-    pick = ("batch_size", "image_size", "precision", "channels_last", "steps", "warmup")
+    pick = ("batch_size", "image_size", "precision", "channels_last", "steps", "warmup",
+            "repeats")
 
     def defaults(*args):
         settings = scaling.default_settings(*args)
         return tuple(settings[name] for name in pick)
 
-    assert defaults("cuda", False, True) == (256, 224, "bf16", True, 50, 10)
-    assert defaults("cuda", True, True) == (256, 224, "bf16", True, 20, 5)
+    assert defaults("cuda", False, True) == (256, 224, "bf16", True, 20, 10, 5)
+    assert defaults("cuda", True, True) == (256, 224, "bf16", True, 10, 5, 3)
     # A GPU without native bf16 (compute capability below 8.0) keeps fp32.
-    assert defaults("cuda", False, False) == (256, 224, "fp32", True, 50, 10)
-    assert defaults("cpu", False) == (16, 112, "fp32", False, 15, 3)
-    assert defaults("cpu", True) == (8, 64, "fp32", False, 10, 2)
+    assert defaults("cuda", False, False) == (256, 224, "fp32", True, 20, 10, 5)
+    assert defaults("cpu", False) == (16, 112, "fp32", False, 6, 3, 5)
+    assert defaults("cpu", True) == (8, 64, "fp32", False, 4, 2, 3)
 
 
 @pytest.fixture
@@ -335,7 +454,13 @@ def test_two_gpus_plan_dataparallel_bandwidth_and_knobs_at_two(pretend_gpus):
     assert {(c["backend"], c["world_size"]) for c in cases if c["case"] == "allreduce"} == \
         {("nccl", 2), ("gloo", 2)}
     assert {c["world_size"] for c in cases if c.get("knob") is not None} == {2}
-    assert not [c for c in cases if c["case"] == "ddp-per-worker"]
+    # Per worker and its ceiling are CPU questions: on GPUs each rank has a device of its own.
+    assert not [c for c in cases if c["case"] in ("ddp-per-worker", "ceiling")]
+    # The noise check's case, the plain model on 1 GPU, first and last in the last launch.
+    assert [(c["model"], c["case"], c["world_size"], c["noise_check"])
+            for c in (plan[2][0], plan[2][-1])] == \
+        [("resnet18", "plain", 1, "start"), ("resnet18", "plain", 1, "end")]
+    assert not [c for c in plan[1] if c.get("noise_check")]
     assert {(c["case"], c["world_size"]) for c in cases if c["case"] in ("zero1", "fsdp")} == \
         {(case, n) for case in ("zero1", "fsdp") for n in (1, 2)}
     for case in (c for c in cases if c["case"] != "allreduce"):
@@ -344,6 +469,26 @@ def test_two_gpus_plan_dataparallel_bandwidth_and_knobs_at_two(pretend_gpus):
         assert (case["batch_per_rank"], case["precision"], case["channels_last"]) == \
             (256, "bf16" if images else "fp32", images and case["case"] != "fsdp"), case
         assert case["image_size"] == (224 if images else None), case
+
+
+def test_lesson08_modes_are_planned_beside_ddp_per_worker_and_the_ceiling():
+    """--grad-sync: lesson 08's modes on ResNet-18 in the largest launch, with the per-worker
+    threads, so that they are measured in the same rounds as ddp-per-worker and the ceiling;
+    none by default, so that the default run's time does not grow."""
+    scaling = import_script()
+    args = scaling.parse_args(["--device", "cpu", "--max-world-size", "2", "--grad-sync",
+                               "after-backward,buckets,ddp", "--knobs", "none"])
+    plan, _, _ = scaling.plan_cases(args, "cpu", CORES)
+    lesson = [c for c in plan[2] if c["case"] == "lesson08"]
+    assert [(c["model"], c["knob"], c["knob_value"], c["world_size"]) for c in lesson] == \
+        [("resnet18", "grad_sync", mode, 2) for mode in ("after-backward", "buckets", "ddp")]
+    per_worker = next(c for c in plan[2] if c["case"] == "ddp-per-worker")
+    assert all(c["threads_per_rank"] == per_worker["threads_per_rank"] for c in lesson)
+    assert scaling.case_name(lesson[1]) == "lesson08 buckets"
+    default = scaling.parse_args(["--device", "cpu"])
+    assert default.grad_sync == []
+    with pytest.raises(SystemExit, match="--grad-sync: unknown fast"):
+        scaling.parse_args(["--device", "cpu", "--grad-sync", "fast"])
 
 
 def test_channels_last_converts_the_weights_and_the_images():
@@ -409,9 +554,14 @@ def test_gpu_run_has_nccl_dataparallel_and_gloo_on_gpu_tensors(tmp_path):
     rows, _ = read_rows(tmp_path, "results")
     assert {(r["backend"], r["device"]) for r in rows} == {("nccl", "cuda")}
     resnet = [r for r in rows if r["model"] == "resnet18"]
-    bf16 = torch.cuda.get_device_capability(0)[0] >= 8
-    assert {(r["precision"], r["channels_last"]) for r in resnet} == \
-        {("bf16" if bf16 else "fp32", True)}
+    precision = "bf16" if torch.cuda.get_device_capability(0)[0] >= 8 else "fp32"
+    # channels_last on every ResNet-18 row but FSDP's: fully_shard refuses channels_last
+    # weights (tools/repro_fsdp_channels_last.py), so those rows keep the default layout.
+    assert any(r["case"] == "fsdp" for r in resnet)
+    for row in resnet:
+        assert (row["precision"], row["channels_last"]) == (precision, row["case"] != "fsdp"), row
+        assert row["repeats"] == REPEATS and \
+            row["samples_per_s_min"] <= row["samples_per_s"] <= row["samples_per_s_max"], row
     ddp1 = next(r for r in resnet if r["case"] == "ddp" and r["world_size"] == 1)
     assert isinstance(ddp1["ddp_cost_pct"], float)
     # Each rank's peak, from torch.cuda.max_memory_allocated, at least what it holds.
@@ -429,3 +579,7 @@ def test_gpu_run_has_nccl_dataparallel_and_gloo_on_gpu_tensors(tmp_path):
     assert {r["backend"] for r in bandwidth} == ({"nccl", "gloo"} if world > 1 else set())
     if world == 1:
         assert "skipped: nn.DataParallel" in result.stdout
+    # The noise check ran on GPU 0 in the last launch, its other ranks waiting.
+    with open(tmp_path / "run.json") as f:
+        check = json.load(f)["noise_check"]
+    assert (check["start_processes"], check["end_processes"]) == (world, world), check
