@@ -289,6 +289,9 @@ def plan(facts):
         ("07_sharding", "cpu",
          [f"{python} 07_sharding/train.py --world-size 2{on_cpu}"],
          "2 ranks, FSDP: each holds half of every tensor", cpu_ok),
+        ("08_ddp_from_scratch", "cpu",
+         [f"{python} 08_ddp_from_scratch/train.py --world-size 2{on_cpu}"],
+         "2 ranks, the gradients averaged by hand in buckets, as DDP does", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -310,6 +313,8 @@ def plan(facts):
              gpu_ok),
             ("07_sharding", "gpu", [f"{python} 07_sharding/train.py"],
              f"{gpus} rank(s), one per GPU, FSDP over NCCL", gpu_ok),
+            ("08_ddp_from_scratch", "gpu", [f"{python} 08_ddp_from_scratch/train.py"],
+             f"{gpus} rank(s), one per GPU, NCCL, the gradients averaged by hand", gpu_ok),
         ]
     can, cannot = [], []
     for lesson, where, commands, note, runnable in wanted:

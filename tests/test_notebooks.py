@@ -50,6 +50,11 @@ EXPECTED_TEXT = {
     "07_sharding": ["same weights under all three strategies: True",
                     "drawing agrees with the measured bytes: True",
                     "model.fc1.weight rows 2048-4095 in __1_0.distcp", "test accuracy:"],
+    "08_ddp_from_scratch": ["--bucket-mb 1: 4 bucket(s)", "gradient all-reduces per step: 10",
+                            "  bucket 3 (57,344 bytes): fc1.bias fc1.weight", "test accuracy:",
+                            "all-reduces in one step, counted in the trace: after-backward 10, "
+                            "buckets 4", "first all-reduce began during backward: "
+                            "after-backward False, buckets True"],
 }
 
 

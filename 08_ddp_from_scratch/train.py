@@ -1,0 +1,539 @@
+"""Lesson 08: DDP from scratch: the gradient averaging that DDP does, written by hand.
+
+Lesson 02's program, with DistributedDataParallel replaced by the lesson's own gradient
+synchronisation, chosen by --grad-sync: an all-reduce per gradient after backward
+(after-backward), one all-reduce of every gradient copied into one buffer (flat), an all-reduce
+per gradient started by a hook the moment backward has produced it (overlap), or gradients
+gathered in buckets, each all-reduced the moment its last gradient is ready, as DDP's reducer
+does (buckets, the default). --grad-sync ddp runs DDP itself: every mode ends on its weights.
+
+Run it:
+    python 08_ddp_from_scratch/train.py                  # buckets; a rank per GPU, or 2 CPU ranks
+    python 08_ddp_from_scratch/train.py --grad-sync after-backward --out-dir runs/08_after
+    python 08_ddp_from_scratch/train.py --hidden 1024 --layers 4 --bucket-mb 1 --profile-step 5
+    torchrun --standalone --nproc-per-node 2 08_ddp_from_scratch/train.py   # torchrun starts it too
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from guard_rails import check_args, check_master_port, fail, rank_guard, spawn_guard, start
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup helpers
+# ---------------------------------------------------------------------------------------------
+def choose_backend(requested, world_size, flag="--world-size"):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+    gpus = torch.cuda.device_count()
+    if requested == "nccl":
+        if gpus == 0 or not dist.is_nccl_available():
+            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+        if world_size > gpus:
+            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
+                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
+        return "nccl"
+    if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
+        return "nccl"
+    if requested == "auto" and gpus > 0:
+        print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
+              "so the ranks train on the CPU with gloo")
+    return "gloo"
+
+
+def find_free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
+        return sock.getsockname()[1]
+
+
+def setup_process_group(rank, world_size, backend, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    # torchrun numbers the GPUs and shares the cores per node; mp.spawn's ranks are all on this
+    # one. Read only under torchrun: some clusters export LOCAL_RANK to every process.
+    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+                               if dist.is_torchelastic_launched() else (rank, world_size))
+    if backend == "nccl":
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // local_ranks))
+        device = torch.device("cpu")
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+class WineDataset(Dataset):
+    def __init__(self, features, labels):
+        self.features = torch.as_tensor(features, dtype=torch.float32)
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.features[index], self.labels[index]
+
+
+def load_data():
+    """The same 142 training and 36 test wines in every lesson."""
+    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
+    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
+    from sklearn.datasets import load_wine
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    features, labels = load_wine(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        features, labels, test_size=0.2, random_state=42, stratify=labels
+    )
+    # Fit the scaler on the training part only: the test wines must not leak into training.
+    scaler = StandardScaler().fit(x_train)
+    return (
+        WineDataset(scaler.transform(x_train), y_train),
+        WineDataset(scaler.transform(x_test), y_test),
+    )
+
+
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+class WineMLP(nn.Module):
+    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
+    checkpoint keys of every lesson, so any lesson's final.pt loads into this class.
+
+    layers > 1 puts hidden x hidden layers between fc1 and fc2: with --hidden 1024 --layers 4,
+    12 MB of gradients, enough for buckets and overlap to matter."""
+
+    def __init__(self, in_features=13, hidden=64, classes=3, layers=1):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 1))
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.fc2(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient synchronisation, by hand
+# ---------------------------------------------------------------------------------------------
+GRAD_SYNC = ("after-backward", "flat", "overlap", "buckets", "ddp", "none")
+
+
+def plan_buckets(model, bucket_mb):
+    """The parameters that need gradients, as (name, parameter) pairs, grouped in buckets, in
+    the reverse of the order the model registers them: the order in which backward produces
+    their gradients, in a model that uses its layers in the order it defines them."""
+    cap = bucket_mb * 1024 * 1024
+    buckets, bucket, size = [], [], 0
+    for name, param in reversed(list(model.named_parameters())):
+        if not param.requires_grad:
+            continue
+        bucket.append((name, param))
+        size += param.numel() * param.element_size()
+        # DDP's rule (compute_bucket_assignment_by_size in c10d's reducer.cpp): a bucket closes
+        # once it holds the cap or more, so the parameter that crosses it still goes in.
+        if size >= cap:
+            buckets.append(bucket)
+            bucket, size = [], 0
+    return buckets + [bucket] if bucket else buckets
+
+
+def make_grad_sync(model, mode, bucket_mb):
+    """(the model to call, finish): finish() completes the gradient synchronisation of a step,
+    after loss.backward() and before optimizer.step(), and returns the all-reduces it took."""
+    if mode == "ddp":
+        # DDP itself, with the same bucket size; it all-reduces inside loss.backward().
+        device = next(model.parameters()).device
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    bucket_cap_mb=bucket_mb)
+        return model, lambda: None
+    # Every rank starts from rank 0's weights and buffers, as DDP's constructor makes sure
+    # (_sync_module_states in torch/distributed/utils.py): the seed gives every rank the same
+    # weights only if every rank builds the model the same way.
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=0)
+    world_size = dist.get_world_size()
+    params = [param for param in model.parameters() if param.requires_grad]
+
+    if mode == "none":
+        return model, lambda: 0  # the control: every rank steps with its own gradients
+
+    if mode == "after-backward":
+        def finish():
+            for param in params:
+                dist.all_reduce(param.grad)  # the sum over the ranks, in place
+                # The mean: gloo has no ReduceOp.AVG (only NCCL does), so divide here.
+                param.grad /= world_size
+            return len(params)
+        return model, finish
+
+    if mode == "flat":
+        def finish():
+            grads = [param.grad for param in params]
+            # One all-reduce of one long buffer instead of one per gradient: each all-reduce
+            # pays a fixed cost (a round of messages between the ranks), so fewer is cheaper.
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat)
+            flat /= world_size
+            pieces = flat.split([grad.numel() for grad in grads])
+            for grad, piece in zip(grads, pieces, strict=True):
+                grad.copy_(piece.view_as(grad))
+            return 1
+        return model, finish
+
+    # overlap and buckets: all-reduces started during backward, by a hook that autograd calls
+    # the moment a parameter's .grad is complete. Every rank runs the same backward, so the
+    # hooks fire in the same order on every rank and the ranks start the same all-reduces in
+    # the same order, as collectives must be.
+    works = []  # the all-reduces in flight: async_op=True returns at once with a handle
+
+    def wait_all():
+        # Blocks until each all-reduce is done (gloo); with NCCL, makes the current CUDA stream
+        # wait for it instead, so the division and optimizer.step() queued after it read the
+        # sum (torch.distributed docs: "Synchronous and asynchronous collective operations").
+        for work in works:
+            work.wait()
+        count = len(works)
+        works.clear()
+        return count
+
+    if mode == "overlap":
+        def launch(param):
+            works.append(dist.all_reduce(param.grad, async_op=True))
+
+        def finish():
+            count = wait_all()
+            for param in params:
+                param.grad /= world_size
+            return count
+    else:  # buckets: what DDP's reducer does
+        buckets = plan_buckets(model, bucket_mb)
+        flats, slots = [], {}  # a flat buffer per bucket; each parameter's slice of its bucket
+        for i, bucket in enumerate(buckets):
+            flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=bucket[0][1].dtype,
+                               device=bucket[0][1].device)
+            offset = 0
+            for _, param in bucket:
+                slots[param] = (i, flat[offset:offset + param.numel()].view_as(param))
+                offset += param.numel()
+            flats.append(flat)
+        pending = [len(bucket) for bucket in buckets]  # gradients each bucket still waits for
+
+        def launch(param):
+            i, slot = slots[param]
+            # Divided while it is copied in, as DDP does (mark_variable_ready_dense in
+            # reducer.cpp): one pass over the gradient instead of two.
+            torch.mul(param.grad, 1 / world_size, out=slot)
+            pending[i] -= 1
+            if pending[i] == 0:  # the bucket's last gradient: send it while backward goes on
+                works.append(dist.all_reduce(flats[i], async_op=True))
+
+        def finish():
+            if any(pending):  # DDP's find_unused_parameters=True handles this; we do not
+                raise RuntimeError("a parameter got no gradient in this step, so its bucket "
+                                   "was never all-reduced")
+            count = wait_all()
+            for param, (_, slot) in slots.items():
+                param.grad.copy_(slot)  # the averaged gradient, back where the optimizer reads it
+            pending[:] = [len(bucket) for bucket in buckets]
+            return count
+
+    for param in params:
+        param.register_post_accumulate_grad_hook(launch)
+    return model, finish
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
+                 rank, world_size, finish, profile_step):
+        self.model = model
+        self.plain_model = model.module if isinstance(model, DDP) else model  # without DDP
+        self.train_loader = train_loader
+        self.test_set = test_set
+        self.optimizer = optimizer
+        self.device = device
+        self.save_every = save_every
+        self.out_dir = out_dir
+        self.rank = rank
+        self.world_size = world_size
+        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
+        self.finish = finish
+        self.profile_step = profile_step
+        self.steps = 0  # optimizer steps taken
+        self.all_reduces = None  # gradient all-reduces in the last step, as finish() counts them
+
+    def train_step(self, features, labels):
+        self.steps += 1
+        profiling = self.steps == self.profile_step
+        # One step under the profiler: every operation and all-reduce, on one time axis.
+        with torch.profiler.profile() if profiling else contextlib.nullcontext() as profiler:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(self.model(features), labels)
+            with torch.profiler.record_function("backward"):  # a named span in the trace
+                loss.backward()
+            # The all-reduces make the mean of the ranks' batch means: the global batch's mean
+            # gradient, the same step on every rank. finish() waits for the ones the hooks
+            # started in backward, or runs them all now; DDP has done them inside backward.
+            with torch.profiler.record_function("finish"):
+                self.all_reduces = self.finish()
+            self.optimizer.step()
+        if profiling:  # every rank writes its own: the notebook draws them side by side
+            profiler.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
+        return loss.detach()
+
+    def train_epoch(self, epoch):
+        self.model.train()
+        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
+        totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
+        for features, labels in self.train_loader:
+            features, labels = features.to(self.device), labels.to(self.device)
+            # The loss is a mean over the batch; weight it by the batch size so the epoch's
+            # mean is over samples, even when the last batch is smaller.
+            totals[0] += self.train_step(features, labels) * len(labels)
+            totals[1] += len(labels)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank's slice: the mean over all
+        return (totals[0] / totals[1]).item()
+
+    @torch.no_grad()
+    def evaluate(self):
+        """Count correct predictions over the whole test set."""
+        self.model.eval()
+        # A stride: each test wine on exactly one rank (DistributedSampler would pad with repeats).
+        features = self.test_set.features[self.rank::self.world_size].to(self.device)
+        labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
+        # The model inside DDP (.module): evaluation needs none of DDP's synchronisation.
+        predictions = self.plain_model(features).argmax(dim=1)
+        counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return int(counts[0]), int(counts[1])
+
+    def save_checkpoint(self, epoch):
+        # The model inside DDP (.module): keys without a "module." prefix, as lesson 01 loads.
+        checkpoint = {"model": self.plain_model.state_dict(), "epochs_completed": epoch + 1}
+        save_atomically(checkpoint, os.path.join(self.out_dir, "checkpoint.pt"))
+
+    def train(self, max_epochs):
+        losses = []
+        for epoch in range(max_epochs):
+            start = time.perf_counter()
+            loss = self.train_epoch(epoch)
+            losses.append(loss)
+            if self.is_main_process:
+                print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
+                      f"| {time.perf_counter() - start:.3f} s", flush=True)
+            if self.is_main_process and (epoch + 1) % self.save_every == 0:
+                self.save_checkpoint(epoch)
+        return losses
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def main(rank, args):
+    start = args.start_time  # set by launch, before the ranks were started
+    device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
+    train_set, test_set = load_data()
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
+
+    # Seed before building the model so the initial weights are the same on every rank.
+    torch.manual_seed(args.seed)
+    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
+    # The lesson: rank 0's weights to every rank, and hooks that average the gradients.
+    model, finish = make_grad_sync(model, args.grad_sync, args.bucket_mb)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
+                      args.out_dir, rank, args.world_size, finish, args.profile_step)
+
+    if trainer.is_main_process:
+        print(f"training on {args.world_size} x {device.type} ({args.backend}): "
+              f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
+              f"per rank ({args.batch_size * args.world_size} in all) | --grad-sync "
+              f"{args.grad_sync}", flush=True)
+    train_start = time.perf_counter()
+    losses = trainer.train(args.epochs)
+    train_seconds = time.perf_counter() - train_start
+    correct, total = trainer.evaluate()
+    if not trainer.is_main_process:
+        return  # every rank holds the same results; rank 0 alone writes them
+
+    samples_per_second = args.epochs * len(train_loader.sampler) * args.world_size / train_seconds
+    print(f"{samples_per_second:.0f} samples/s over all ranks, {trainer.steps} optimizer steps",
+          flush=True)
+    buckets = plan_buckets(trainer.plain_model, args.bucket_mb)
+    if args.grad_sync == "ddp":
+        print("gradient all-reduces: inside DDP's backward (--profile-step shows them)", flush=True)
+    else:
+        print(f"gradient all-reduces per step: {trainer.all_reduces}", flush=True)
+    for i, bucket in enumerate(buckets if args.grad_sync == "buckets" else []):
+        size = sum(param.numel() * param.element_size() for _, param in bucket)
+        print(f"  bucket {i} ({size:,} bytes): {' '.join(name for name, _ in bucket)}",
+              flush=True)
+    if args.profile_step and args.profile_step > trainer.steps:
+        print(f"note: --profile-step {args.profile_step} is past the last step "
+              f"({trainer.steps}): no trace written", flush=True)
+    save_atomically(cpu_state_dict(trainer.plain_model), os.path.join(args.out_dir, "final.pt"))
+    metrics = {
+        "lesson": "08_ddp_from_scratch",
+        "grad_sync": args.grad_sync,
+        "bucket_mb": args.bucket_mb,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "all_reduces_per_step": trainer.all_reduces,  # None for ddp: DDP does not say
+        "buckets": [[name for name, _ in bucket] for bucket in buckets],  # the plan
+        "optimizer_steps": trainer.steps,
+        "samples_per_second": samples_per_second,
+        "world_size": args.world_size,
+        "backend": args.backend,
+        "device": device.type,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads_per_rank": torch.get_num_threads(),
+        "train_loss": losses,
+        "test_correct": correct,
+        "test_total": total,
+        "test_accuracy": correct / total,
+        "train_seconds": train_seconds,
+        "wall_seconds": time.time() - start,
+    }
+    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+def worker(rank, args):
+    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, args)
+        dist.destroy_process_group()
+
+
+def launch(args):
+    args.start_time = time.time()
+    if dist.is_torchelastic_launched():
+        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
+        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT.
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
+        return worker(int(os.environ["RANK"]), args)
+    args.backend = choose_backend(args.backend, args.world_size)
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
+    check_master_port()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # Runs worker(rank, args) in world_size fresh Python processes, rank 0 .. world_size - 1.
+    with spawn_guard("rank"):
+        mp.spawn(worker, args=(args,), nprocs=args.world_size)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Lesson 08: the wine MLP, its gradients averaged by hand or by DDP.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per step, per rank")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
+    parser.add_argument("--save-every", type=int, default=10,
+                        help="write checkpoint.pt every N epochs")
+    parser.add_argument("--out-dir", default="runs/08_ddp_from_scratch",
+                        help="folder for checkpoint.pt, final.pt, metrics.json and traces")
+    parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
+                        help="number of processes (default: one per GPU, or 2 on the CPU)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                        help="auto: NCCL when every rank has its own GPU, else gloo")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a rank waits for the others before it stops with an error")
+    parser.add_argument("--grad-sync", default="buckets", choices=GRAD_SYNC,
+                        help="how the ranks average their gradients: an all-reduce per gradient "
+                             "after backward, one of a flat copy of all, one per gradient from a "
+                             "hook during backward, one per bucket from hooks (what DDP does), "
+                             "DDP itself; none: no averaging, the control that shows that the "
+                             "tests comparing the modes with DDP can fail")
+    parser.add_argument("--bucket-mb", type=float, default=25,
+                        help="bucket size in MiB for buckets and ddp (DDP's bucket_cap_mb)")
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="hidden layers; more than 1 adds hidden x hidden layers")
+    parser.add_argument("--profile-step", type=int,
+                        help="write each rank's profile of this optimizer step (1 is the first) "
+                             "as a Chrome trace, trace_rank<rank>.json in --out-dir")
+    return check_lesson_args(parser.parse_args(argv))
+
+
+def check_lesson_args(args):
+    """Every lesson's checks (check_args), then this lesson's flags."""
+    for name in ("hidden", "layers", "profile_step"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    if args.bucket_mb <= 0:
+        fail(f"--bucket-mb must be positive (got {args.bucket_mb:g})")
+    return check_args(args)
+
+
+if __name__ == "__main__":
+    start(launch, parse_args, torchrun_ok=True)

@@ -1,0 +1,106 @@
+"""Run lesson 08 once for every --grad-sync mode, all of them on the same ranks, for its tests.
+
+    python tests/every_grad_sync.py OUT_DIR NAME [lesson 08 flags...] [:: NAME [flags...] ...]
+
+Six lesson runs would pay the ranks' start-up (torch, scikit-learn, the process group) six times.
+Here mp.spawn starts the ranks once and each joins the process group once; then, for every group
+of flags and every mode in lesson.GRAD_SYNC, each rank calls the lesson's own main(), which
+writes into OUT_DIR/NAME/<mode>/ what `train.py --grad-sync <mode>` with those flags writes.
+Every group must ask for the same --world-size. Rank 0 prints "== NAME <mode>" before each run.
+
+Two things a lesson run does not show, for the tests:
+- before each mode's make_grad_sync, every rank but 0 adds its rank to its initial weights, as if
+  it had built the model its own way; OUT_DIR/NAME/initial_weights.json holds, per mode, the
+  largest difference from rank 0's weights over the ranks before make_grad_sync and after it;
+- OUT_DIR/NAME/ddp/ddp_buckets.json: DDP's own buckets after its rebuild, as parameter names,
+  from the logging data DDP keeps (_get_ddp_logging_data, which DDP's docstring shows).
+"""
+
+import copy
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+LESSON_DIR = Path(__file__).resolve().parent.parent / "08_ddp_from_scratch"
+sys.path.insert(0, str(LESSON_DIR))  # where train.py finds guard_rails.py
+spec = importlib.util.spec_from_file_location("lesson", LESSON_DIR / "train.py")
+lesson = importlib.util.module_from_spec(spec)
+sys.modules["lesson"] = lesson  # so that the ranks can unpickle the arguments
+spec.loader.exec_module(lesson)
+original_make_grad_sync = lesson.make_grad_sync
+
+
+def distance_from_rank_0(model):
+    """The largest difference between any rank's parameters and rank 0's."""
+    mine = torch.cat([param.detach().reshape(-1) for param in model.parameters()])
+    rank_0 = mine.clone()
+    dist.broadcast(rank_0, src=0)
+    distance = (mine - rank_0).abs().max()
+    dist.all_reduce(distance, op=dist.ReduceOp.MAX)
+    return distance.item()
+
+
+def run_every_mode(rank, groups, out_dir):
+    first = groups[0][1]
+    with lesson.rank_guard(rank, first):
+        device = lesson.setup_process_group(rank, first.world_size, first.backend, first.timeout)
+        lesson.setup_process_group = lambda *_: device  # joined once, above
+        for name, args in groups:
+            initial, ddp = {}, {}
+
+            def make_grad_sync(model, mode, bucket_mb, initial=initial, ddp=ddp):
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.add_(rank)
+                before = distance_from_rank_0(model)
+                model, finish = original_make_grad_sync(model, mode, bucket_mb)
+                initial[mode] = {"before": before, "after": distance_from_rank_0(model)}
+                ddp["model"] = model
+                return model, finish
+
+            lesson.make_grad_sync = make_grad_sync
+            for mode in lesson.GRAD_SYNC:
+                run = copy.copy(args)
+                run.grad_sync, run.out_dir = mode, str(out_dir / name / mode)
+                if rank == 0:
+                    print(f"== {name} {mode}", flush=True)
+                lesson.main(rank, run)
+                if mode == "ddp":
+                    data = ddp["model"]._get_ddp_logging_data()
+                    names = [n for n, _ in ddp["model"].module.named_parameters()]
+                    buckets = [[names[int(i)] for i in bucket.split()] for bucket in
+                               data["rebuilt_per_bucket_param_indices"].split(",")]
+            if rank == 0:
+                (out_dir / name / "initial_weights.json").write_text(json.dumps(initial))
+                (out_dir / name / "ddp" / "ddp_buckets.json").write_text(json.dumps(buckets))
+        dist.destroy_process_group()
+
+
+def main():
+    out_dir, groups, words = Path(sys.argv[1]), [], [[]]
+    for word in sys.argv[2:]:
+        words.append([]) if word == "::" else words[-1].append(word)
+    for name, *flags in words:
+        args = lesson.parse_args(flags)
+        args.start_time = time.time()
+        args.backend = lesson.choose_backend(args.backend, args.world_size)
+        groups.append((name, args))
+        for mode in lesson.GRAD_SYNC:
+            (out_dir / name / mode).mkdir(parents=True, exist_ok=True)
+    if len({args.world_size for _, args in groups}) != 1:
+        sys.exit("error: every group of flags needs the same --world-size")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(lesson.find_free_port()))
+    with lesson.spawn_guard("rank"):
+        mp.spawn(run_every_mode, args=(groups, out_dir), nprocs=groups[0][1].world_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Lesson 08, run as a learner runs it: python 08_ddp_from_scratch/train.py (mp.spawn, gloo/CPU),
+and torchrun.
+
+Every home-made gradient synchronisation ends on the weights of DDP, and of lesson 02; the
+all-reduces are counted in a profiler trace of one step, which also shows which modes overlap
+them with backward. Comparing six modes at three world sizes would take 18 lesson runs; instead
+tests/every_grad_sync.py starts the ranks once per world size and calls the lesson's main() for
+every mode in turn on them. The GPU tier (NCCL) is at the end of this file."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import (
+    GPUS,
+    NO_GPUS,
+    ROOT,
+    assert_good_run,
+    assert_one_line_error,
+    evaluate_single_process,
+    import_lesson,
+    lesson02_run,
+    max_weight_difference,
+    read_metrics,
+    run_lesson,
+    run_torchrun,
+)
+
+LESSON = "08_ddp_from_scratch"
+CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
+HOME_MADE = ["after-backward", "flat", "overlap", "buckets"]
+MODES = [*HOME_MADE, "ddp", "none"]
+# The wine MLP with lesson 02's flags for 2 ranks (LESSON02_RUNS): batch 16 per rank; its four
+# tensors make one bucket. The profile is of step 2, after DDP has rebuilt its buckets.
+WINE = [*CPU, "--batch-size", 16, "--profile-step", 2]
+# A larger model, 12,664,844 bytes of gradients: 4 buckets of 1 MiB (the README's arithmetic).
+LARGE = [*CPU, "--batch-size", 16, "--hidden", 1024, "--layers", 4, "--bucket-mb", 1,
+         "--lr", 0.001, "--epochs", 1, "--profile-step", 3]
+LARGE_TENSORS, LARGE_BUCKETS = 10, 4
+# With 3 ranks gloo adds three numbers per element, in an order that depends on where the element
+# sits in the buffer, and DDP divides by 3 before the sum where the others divide after: the modes
+# end within a few float32 roundings of each other (1.2e-7 measured), not bitwise.
+TOLERANCE = 1e-5
+# What torch.profiler records (torch 2.14, gloo): each all-reduce's launch as the c10d operator,
+# on the thread that calls it; the transfer as gloo's work, on one of gloo's own threads.
+LAUNCH, TRANSFER = "c10d::allreduce_", "gloo:all_reduce"
+
+
+def run_every_mode(out_dir, *groups, env=NO_GPUS):
+    """tests/every_grad_sync.py: every mode, for each (name, flags) group, on the same ranks."""
+    command = [sys.executable, str(ROOT / "tests" / "every_grad_sync.py"), str(out_dir)]
+    for i, (name, flags) in enumerate(groups):
+        command += [*(["::"] if i else []), name, *map(str, flags)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def every_mode(tmp_path_factory):
+    """{world size: folder}: folder/<group>/<mode>/ holds that mode's run. 2 ranks: the wine
+    MLP and the larger model; 1 and 3 ranks: the wine MLP."""
+    runs = {}
+    for world_size in (1, 2, 3):
+        out_dir = tmp_path_factory.mktemp(f"lesson08_{world_size}_ranks")
+        groups = [("wine", [*WINE, "--world-size", world_size])]
+        if world_size == 2:
+            groups.append(("large", [*LARGE, "--world-size", world_size]))
+        run_every_mode(out_dir, *groups)
+        runs[world_size] = out_dir
+    return runs
+
+
+def step_trace(out_dir, rank):
+    """One rank's profile of one step: (the "backward" span, its gradient computations, the
+    all-reduce launches, the all-reduce transfers), each a list of events sorted by start."""
+    trace = json.loads((out_dir / f"trace_rank{rank}.json").read_text())
+    events = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
+    (backward,) = [e for e in events if e["name"] == "backward"]
+    # Autograd's nodes (AddmmBackward0, ReluBackward0, ...) run on the thread that called
+    # backward, on the CPU.
+    gradients = [e for e in events if e["tid"] == backward["tid"]
+                 and e["name"].endswith("Backward0")]
+    launches = [e for e in events if e["name"] == LAUNCH]
+    transfers = [e for e in events if e["name"] == TRANSFER]
+    return backward, gradients, launches, transfers
+
+
+def end(event):
+    return event["ts"] + event["dur"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The default run, as a learner types it, and torchrun
+# ---------------------------------------------------------------------------------------------
+def test_default_run_is_buckets_and_writes_lesson_01s_model(lesson_run):
+    result, out_dir = lesson_run(LESSON, env=NO_GPUS)
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert (metrics["grad_sync"], metrics["backend"], metrics["hidden"]) == ("buckets", "gloo", 64)
+    # The four tensors of the wine MLP (4,364 bytes) fit in one bucket of 25 MiB.
+    assert "gradient all-reduces per step: 1" in result.stdout
+    assert "  bucket 0 (4,364 bytes): fc2.bias fc2.weight fc1.bias fc1.weight" in result.stdout
+    assert "samples/s over all ranks, 60 optimizer steps" in result.stdout
+    # final.pt loads into lesson 01's model, which counts the test wines as the ranks did.
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def test_torchrun_takes_the_steps_of_mp_spawn(lesson_run, tmp_path):
+    result = run_torchrun(LESSON, "--out-dir", tmp_path, env=NO_GPUS)
+    metrics = assert_good_run(result, tmp_path, world_size=2, min_accuracy=0.95)
+    assert "starting 2 ranks" not in result.stdout  # mp.spawn's line: torchrun started them
+    spawned = lesson_run(LESSON, env=NO_GPUS)[1]
+    assert metrics["train_loss"] == read_metrics(spawned)["train_loss"]
+    assert max_weight_difference(tmp_path, spawned) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The same weights as DDP, and the control that shows the comparison can fail
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_every_mode_ends_on_ddps_weights(every_mode, world_size):
+    runs = every_mode[world_size] / "wine"
+    for mode in MODES:
+        assert read_metrics(runs / mode)["test_total"] == 36
+    for mode in HOME_MADE:
+        difference = max_weight_difference(runs / mode, runs / "ddp")
+        if world_size < 3:
+            # One rank sums nothing; two add a + b, the same on every order, and halving is
+            # exact: every mode takes DDP's steps to the last bit.
+            assert difference == 0, mode
+        else:
+            assert difference < TOLERANCE, mode
+    # overlap all-reduces the same tensors as after-backward and divides alike, only sooner:
+    # the same numbers in the same order, bitwise, at any world size.
+    assert max_weight_difference(runs / "overlap", runs / "after-backward") == 0
+
+
+def test_every_mode_ends_on_lesson_02s_weights(lesson_run, every_mode):
+    # Lesson 02's own run (2 ranks x batch 16): DDP there, each home-made mode here, bitwise.
+    _, lesson02 = lesson02_run(lesson_run, 2)
+    for mode in [*HOME_MADE, "ddp"]:
+        assert max_weight_difference(every_mode[2] / "wine" / mode, lesson02) == 0, mode
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_control_without_gradient_sync_fails_the_comparison(every_mode, world_size):
+    runs = every_mode[world_size] / "wine"
+    # Each rank steps with its own gradients: rank 0's weights are those of its slice alone.
+    assert max_weight_difference(runs / "none", runs / "ddp") > 1e-2
+
+
+def test_every_rank_starts_from_rank_0s_weights(every_mode):
+    # every_grad_sync.py shifts rank r's initial weights by r before make_grad_sync; its
+    # broadcast (DDP's, for ddp) brings every rank back to rank 0's.
+    for world_size, shift in ((2, 1.0), (3, 2.0)):
+        initial = json.loads((every_mode[world_size] / "wine" / "initial_weights.json").read_text())
+        assert initial == {mode: {"before": shift, "after": 0.0} for mode in MODES}
+
+
+# ---------------------------------------------------------------------------------------------
+# The all-reduces, counted in a profile of one step, and the buckets
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group, tensors, buckets", [("wine", 4, 1),
+                                                     ("large", LARGE_TENSORS, LARGE_BUCKETS)])
+def test_all_reduces_per_step_are_counted_in_the_profile(every_mode, group, tensors, buckets):
+    expected = {"after-backward": tensors, "flat": 1, "overlap": tensors, "buckets": buckets,
+                "ddp": buckets, "none": 0}
+    for mode, count in expected.items():
+        runs = every_mode[2] / group / mode
+        for rank in (0, 1):
+            _, _, launches, transfers = step_trace(runs, rank)
+            assert len(launches) == len(transfers) == count, (mode, rank)
+        # What the lesson prints and writes is what the profiler saw (DDP does not say).
+        assert read_metrics(runs)["all_reduces_per_step"] == (None if mode == "ddp" else count)
+
+
+def test_buckets_are_planned_as_ddp_plans_them(every_mode):
+    for group in ("wine", "large"):
+        runs = every_mode[2] / group
+        plan = read_metrics(runs / "buckets")["buckets"]
+        # DDP's own buckets after its rebuild, in the order backward produced the gradients.
+        assert plan == json.loads((runs / "ddp" / "ddp_buckets.json").read_text())
+    assert plan == [["fc2.bias", "fc2.weight", "hidden.2.bias", "hidden.2.weight"],
+                    ["hidden.1.bias", "hidden.1.weight"], ["hidden.0.bias", "hidden.0.weight"],
+                    ["fc1.bias", "fc1.weight"]]
+
+
+@pytest.mark.parametrize("bucket_mb, sizes", [
+    (25, [12_664_844]),                      # all of it: less than 25 MiB
+    (5, [8_409_100, 4_255_744]),             # the first closes at hidden.1.weight, over 5 MiB
+    (1, [4_210_700, 4_198_400, 4_198_400, 57_344]),  # each 4 MiB weight closes a bucket
+])
+def test_bucket_sizes_follow_the_readmes_arithmetic(bucket_mb, sizes):
+    lesson = import_lesson(LESSON)
+    model = lesson.WineMLP(hidden=1024, layers=4)
+    buckets = lesson.plan_buckets(model, bucket_mb)
+    assert [sum(p.numel() * 4 for _, p in bucket) for bucket in buckets] == sizes
+
+
+def test_overlap_is_shown_in_the_profile(every_mode):
+    # The larger model, 4 buckets: in overlap, buckets and ddp the first gradient's transfer
+    # begins while backward still computes the gradients of the layers below; after-backward
+    # and flat start theirs only once backward has ended. On every rank.
+    for mode in ("overlap", "buckets", "ddp", "after-backward", "flat"):
+        for rank in (0, 1):
+            backward, gradients, launches, transfers = step_trace(
+                every_mode[2] / "large" / mode, rank)
+            if mode in ("after-backward", "flat"):
+                assert launches[0]["ts"] >= end(backward), (mode, rank)
+            else:
+                assert transfers[0]["ts"] < end(gradients[-1]), (mode, rank)
+                assert launches[0]["ts"] < gradients[-1]["ts"], (mode, rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags that cannot work
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, fragment", [
+    (["--bucket-mb", "0"], "--bucket-mb must be positive (got 0)"),
+    (["--layers", "0"], "--layers must be at least 1 (got 0)"),
+    (["--hidden", "-1"], "--hidden must be at least 1 (got -1)"),
+    (["--profile-step", "0"], "--profile-step must be at least 1 (got 0)"),
+])
+def test_flags_that_cannot_work_are_refused_in_one_line(args, fragment):
+    with pytest.raises(SystemExit) as stop:
+        import_lesson(LESSON).parse_args(args)
+    assert str(stop.value) == f"error: {fragment}"
+
+
+def test_bad_input_stops_before_any_rank_starts(tmp_path):
+    result = run_lesson(LESSON, "--bucket-mb", "-1", "--out-dir", tmp_path)
+    assert_one_line_error(result, "--bucket-mb must be positive")
+    assert "starting" not in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU tier: NCCL, one GPU per rank
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU; none is visible here")
+def test_gpu_every_mode_ends_on_ddps_weights(tmp_path):
+    # NCCL: the all-reduces run on NCCL's stream, and work.wait() makes the current stream wait.
+    world_size = min(GPUS, 2)
+    run_every_mode(tmp_path, ("wine", ["--backend", "nccl", "--world-size", world_size,
+                                       "--batch-size", 16]), env={})
+    for mode in HOME_MADE:
+        assert max_weight_difference(tmp_path / "wine" / mode, tmp_path / "wine" / "ddp") < 1e-5
+    if world_size > 1:  # the control: with one GPU there is nothing to synchronise
+        assert max_weight_difference(tmp_path / "wine" / "none", tmp_path / "wine" / "ddp") > 1e-2
