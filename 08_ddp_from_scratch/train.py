@@ -5,12 +5,14 @@ synchronisation, chosen by --grad-sync: an all-reduce per gradient after backwar
 (after-backward), one all-reduce of every gradient copied into one buffer (flat), an all-reduce
 per gradient started by a hook the moment backward has produced it (overlap), or gradients
 gathered in buckets, each all-reduced the moment its last gradient is ready, as DDP's reducer
-does (buckets, the default). --grad-sync ddp runs DDP itself: every mode ends on its weights.
+does (buckets, the default). --grad-sync ddp runs DDP itself, and every mode ends on its
+weights.
 
 Run it:
     python 08_ddp_from_scratch/train.py                  # buckets; a rank per GPU, or 2 CPU ranks
     python 08_ddp_from_scratch/train.py --grad-sync after-backward --out-dir runs/08_after
-    python 08_ddp_from_scratch/train.py --hidden 1024 --layers 4 --bucket-mb 1 --profile-step 5
+    python 08_ddp_from_scratch/train.py --hidden 1024 --layers 4 --lr 1e-3 --bucket-mb 1 \
+        --profile-step 5 --out-dir runs/08_large     # a larger model; a trace of step 5
     torchrun --standalone --nproc-per-node 2 08_ddp_from_scratch/train.py   # torchrun starts it too
 """
 
@@ -193,20 +195,33 @@ def plan_buckets(model, bucket_mb):
     return buckets + [bucket] if bucket else buckets
 
 
+def copy_back(flat, tensors):
+    """Each slice of flat into its tensor: the inverse of torch.cat of their flattened copies."""
+    pieces = flat.split([tensor.numel() for tensor in tensors])
+    for tensor, piece in zip(tensors, pieces, strict=True):
+        tensor.copy_(piece.view_as(tensor))
+
+
 def make_grad_sync(model, mode, bucket_mb):
     """(the model to call, finish): finish() completes the gradient synchronisation of a step,
     after loss.backward() and before optimizer.step(), and returns the all-reduces it took."""
     if mode == "ddp":
-        # DDP itself, with the same bucket size; it all-reduces inside loss.backward().
+        # DDP itself, every bucket capped at bucket_mb (with bucket_cap_mb left unset, DDP would
+        # make its first bucket 1 MiB); it all-reduces inside loss.backward().
         device = next(model.parameters()).device
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=bucket_mb)
         return model, lambda: None
     # Every rank starts from rank 0's weights and buffers, as DDP's constructor makes sure
     # (_sync_module_states in torch/distributed/utils.py): the seed gives every rank the same
-    # weights only if every rank builds the model the same way.
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=0)
+    # weights only if every rank builds the model the same way. Like DDP's _broadcast_coalesced,
+    # one broadcast of a flat copy per dtype, not one per tensor.
+    states = list(model.state_dict().values())
+    for dtype in dict.fromkeys(tensor.dtype for tensor in states):  # the same order everywhere
+        tensors = [tensor for tensor in states if tensor.dtype == dtype]
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        dist.broadcast(flat, src=0)
+        copy_back(flat, tensors)
     world_size = dist.get_world_size()
     params = [param for param in model.parameters() if param.requires_grad]
 
@@ -230,36 +245,30 @@ def make_grad_sync(model, mode, bucket_mb):
             flat = torch.cat([grad.reshape(-1) for grad in grads])
             dist.all_reduce(flat)
             flat /= world_size
-            pieces = flat.split([grad.numel() for grad in grads])
-            for grad, piece in zip(grads, pieces, strict=True):
-                grad.copy_(piece.view_as(grad))
+            copy_back(flat, grads)
             return 1
         return model, finish
 
     # overlap and buckets: all-reduces started during backward, by a hook that autograd calls
     # the moment a parameter's .grad is complete. Every rank runs the same backward, so the
     # hooks fire in the same order on every rank and the ranks start the same all-reduces in
-    # the same order, as collectives must be.
-    works = []  # the all-reduces in flight: async_op=True returns at once with a handle
-
-    def wait_all():
-        # Blocks until each all-reduce is done (gloo); with NCCL, makes the current CUDA stream
-        # wait for it instead, so the division and optimizer.step() queued after it read the
-        # sum (torch.distributed docs: "Synchronous and asynchronous collective operations").
-        for work in works:
-            work.wait()
-        count = len(works)
-        works.clear()
-        return count
-
+    # the same order, as collectives must.
     if mode == "overlap":
+        works = []  # the all-reduces in flight: async_op=True returns at once with a handle
+
         def launch(param):
             works.append(dist.all_reduce(param.grad, async_op=True))
 
         def finish():
-            count = wait_all()
+            for work in works:
+                # Blocks until the all-reduce is done (gloo); with NCCL it makes the current CUDA
+                # stream wait for it instead, so the work queued after it reads the sum
+                # (torch.distributed docs: "Synchronous and asynchronous collective operations").
+                work.wait()
             for param in params:
                 param.grad /= world_size
+            count = len(works)
+            works.clear()
             return count
     else:  # buckets: what DDP's reducer does
         buckets = plan_buckets(model, bucket_mb)
@@ -273,6 +282,7 @@ def make_grad_sync(model, mode, bucket_mb):
                 offset += param.numel()
             flats.append(flat)
         pending = [len(bucket) for bucket in buckets]  # gradients each bucket still waits for
+        works = [None] * len(buckets)
 
         def launch(param):
             i, slot = slots[param]
@@ -281,17 +291,20 @@ def make_grad_sync(model, mode, bucket_mb):
             torch.mul(param.grad, 1 / world_size, out=slot)
             pending[i] -= 1
             if pending[i] == 0:  # the bucket's last gradient: send it while backward goes on
-                works.append(dist.all_reduce(flats[i], async_op=True))
+                works[i] = dist.all_reduce(flats[i], async_op=True)
 
         def finish():
             if any(pending):  # DDP's find_unused_parameters=True handles this; we do not
                 raise RuntimeError("a parameter got no gradient in this step, so its bucket "
                                    "was never all-reduced")
-            count = wait_all()
-            for param, (_, slot) in slots.items():
-                param.grad.copy_(slot)  # the averaged gradient, back where the optimizer reads it
-            pending[:] = [len(bucket) for bucket in buckets]
-            return count
+            # Bucket by bucket, as DDP's reducer finishes (finalize_backward): the first
+            # bucket's copies run while the later ones are still on their way.
+            for i, bucket in enumerate(buckets):
+                works[i].wait()
+                for _, param in bucket:  # the averaged gradient, where the optimizer reads it
+                    param.grad.copy_(slots[param][1])
+                pending[i] = len(bucket)
+            return len(buckets)
 
     for param in params:
         param.register_post_accumulate_grad_hook(launch)
@@ -508,11 +521,11 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a rank waits for the others before it stops with an error")
     parser.add_argument("--grad-sync", default="buckets", choices=GRAD_SYNC,
-                        help="how the ranks average their gradients: an all-reduce per gradient "
-                             "after backward, one of a flat copy of all, one per gradient from a "
-                             "hook during backward, one per bucket from hooks (what DDP does), "
-                             "DDP itself; none: no averaging, the control that shows that the "
-                             "tests comparing the modes with DDP can fail")
+                        help="how the ranks average their gradients. after-backward: an "
+                             "all-reduce per gradient after backward; flat: one of all gradients "
+                             "in one buffer; overlap: one per gradient, started during backward; "
+                             "buckets: one per bucket, as DDP does; ddp: DDP itself; none: no "
+                             "averaging, the control that shows the tests can fail")
     parser.add_argument("--bucket-mb", type=float, default=25,
                         help="bucket size in MiB for buckets and ddp (DDP's bucket_cap_mb)")
     parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
