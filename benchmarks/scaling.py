@@ -514,8 +514,9 @@ def describe(case):
 
 
 def worker(rank, world_size, backend, cases, total, args, partial_path):
-    """What mp.spawn runs in each rank: build every case of this launch, then measure them in
-    rounds, one repeat of every case per round."""
+    """What mp.spawn runs in each rank: build every case of this launch, run one untimed round of
+    them, then measure them in rounds, one repeat of every case per round (the noise check's
+    case all at once before the rounds and after them)."""
     try:
         device = setup_process_group(rank, world_size, backend, args.timeout)
         if device.type == "cuda":
@@ -553,18 +554,21 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
         seconds, order = [[] for _ in cases], [[] for _ in cases]
         position, start = 0, time.monotonic()
 
+        def run(index):
+            torch.set_num_threads(cases[index]["threads_per_rank"])
+            return timed(works[index], device)
+
         def measure(index):
             nonlocal position
-            torch.set_num_threads(cases[index]["threads_per_rank"])
-            seconds[index].append(timed(works[index], device))
+            seconds[index].append(run(index))
             order[index].append(position)
             position += 1
 
         # One untimed round first, every case once: right after the builds, the first seconds of
         # measurement ran slow on a 2-core machine, whatever the case (benchmarks/README.md);
         # the round lets the processes settle.
-        for work in works:
-            timed(work, device)
+        for index in range(len(cases)):
+            run(index)
         # The noise check's case, if this launch has it: all its repeats before the rounds,
         # and all those of its copy after them.
         checks = {when: [i for i, c in enumerate(cases) if c.get("noise_check") == when]
