@@ -34,8 +34,9 @@ CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
 HOME_MADE = ["after-backward", "flat", "overlap", "buckets"]
 MODES = [*HOME_MADE, "ddp", "none"]
 # The wine MLP with lesson 02's flags for 2 ranks (LESSON02_RUNS): batch 16 per rank; its four
-# tensors make one bucket. The profile is of step 2, after DDP has rebuilt its buckets.
-WINE = [*CPU, "--batch-size", 16, "--profile-step", 2]
+# tensors make one bucket. With 2 ranks, a profile of step 2, after DDP has rebuilt its buckets.
+WINE = [*CPU, "--batch-size", 16]
+PROFILE = ["--profile-step", 2]
 # A larger model, 12,664,844 bytes of gradients: 4 buckets of 1 MiB (the README's arithmetic).
 LARGE = [*CPU, "--batch-size", 16, "--hidden", 1024, "--layers", 4, "--bucket-mb", 1,
          "--lr", 0.001, "--epochs", 1, "--profile-step", 3]
@@ -63,13 +64,14 @@ def run_every_mode(out_dir, *groups, env=NO_GPUS):
 @pytest.fixture(scope="module")
 def every_mode(tmp_path_factory):
     """{world size: folder}: folder/<group>/<mode>/ holds that mode's run. 2 ranks: the wine
-    MLP and the larger model; 1 and 3 ranks: the wine MLP."""
+    MLP and the larger model, each with a profile of one step; 1 and 3 ranks: the wine MLP."""
     runs = {}
     for world_size in (1, 2, 3):
         out_dir = tmp_path_factory.mktemp(f"lesson08_{world_size}_ranks")
         groups = [("wine", [*WINE, "--world-size", world_size])]
-        if world_size == 2:
-            groups.append(("large", [*LARGE, "--world-size", world_size]))
+        if world_size == 2:  # the profiles the tests read are those of 2 ranks
+            groups = [("wine", [*WINE, *PROFILE, "--world-size", world_size]),
+                      ("large", [*LARGE, "--world-size", world_size])]
         run_every_mode(out_dir, *groups)
         runs[world_size] = out_dir
     return runs
