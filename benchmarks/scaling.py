@@ -196,6 +196,7 @@ class WineMLP(nn.Module):
 
 
 @functools.cache
+@functools.cache  # built once per process; build_model hands out copies
 def initial_model(model_name):
     torch.manual_seed(0)  # the same initial weights on every rank
     if model_name == "wine-mlp":
