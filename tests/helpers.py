@@ -253,3 +253,9 @@ def small_disk(path):
     finally:
         subprocess.run(["umount", str(path)], check=True)
 
+
+def assert_final_pt_holds_cpu_tensors(out_dir):
+    """final.pt, loaded with no map_location, lands on the CPU: trained on a GPU, it still
+    loads into lesson 01's model on a machine without one."""
+    saved = torch.load(out_dir / "final.pt", weights_only=True)
+    assert {tensor.device.type for tensor in saved.values()} == {"cpu"}

@@ -19,6 +19,7 @@ from helpers import (
     GPUS,
     NO_GPUS,
     ROOT,
+    assert_final_pt_holds_cpu_tensors,
     assert_good_run,
     assert_one_line_error,
     error_lines,
@@ -384,9 +385,7 @@ def test_gpu_sharded_run_learns_and_measures_cuda_memory(lesson_run, strategy):
         if strategy == "fsdp":
             assert row["parameters"] <= full["parameters"] / world_size + 64 * FLOAT * 2
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
-    # final.pt holds CPU tensors: it loads on a machine without a GPU, no map_location needed.
-    saved = torch.load(out_dir / "final.pt", weights_only=True)
-    assert {tensor.device.type for tensor in saved.values()} == {"cpu"}
+    assert_final_pt_holds_cpu_tensors(out_dir)
 
 
 @needs_two

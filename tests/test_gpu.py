@@ -13,6 +13,7 @@ import torch
 from helpers import (
     GPUS,
     ROOT,
+    assert_final_pt_holds_cpu_tensors,
     assert_good_run,
     assert_one_line_error,
     evaluate_single_process,
@@ -30,13 +31,6 @@ pytestmark = [
 ]
 needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine has {GPUS}")
 NCCL_WORLD = min(GPUS, 2)
-
-
-def assert_final_pt_holds_cpu_tensors(out_dir):
-    """final.pt, loaded with no map_location, lands on the CPU: trained on a GPU, it still
-    loads into lesson 01's model on a machine without one."""
-    saved = torch.load(out_dir / "final.pt", weights_only=True)
-    assert {tensor.device.type for tensor in saved.values()} == {"cpu"}
 
 
 # --- every lesson with no arguments ----------------------------------------------------------
