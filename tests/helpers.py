@@ -205,6 +205,22 @@ def live_processes_in_group(group):
     return alive
 
 
+def signal_states(group):
+    """For each live process of a process group: its command line and how it holds signals
+    (the SigPnd, SigBlk, SigIgn and SigCgt masks of /proc/PID/status), for a failure message."""
+    states = {}
+    for pid in live_processes_in_group(group):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue  # it ended while we looked
+        masks = [line.replace("\t", " ") for line in status
+                 if line.split(":")[0] in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")]
+        states[pid] = f"{command[:80]} | {', '.join(masks)}"
+    return states
+
+
 def interrupt_when(command, marker, timeout=180):
     """Start command in its own process group, wait for a stdout line starting with marker, then
     press Ctrl-C: SIGINT to the whole group, as a terminal sends it. Returns (finished process,
@@ -222,7 +238,16 @@ def interrupt_when(command, marker, timeout=180):
                 break
         pressed = time.monotonic()
         os.killpg(process.pid, signal.SIGINT)
-        out, err = process.communicate(timeout=60)
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Still running a minute after Ctrl-C: say how each process held the signal
+            # (blocked, ignored, pending), then stop them all, so that the run does not go on
+            # loading the machine for the rest of the suite.
+            states = signal_states(process.pid)
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            pytest.fail(f"still running 60 s after Ctrl-C; per process: {states}")
         took = time.monotonic() - pressed
     finally:
         watchdog.cancel()

@@ -37,12 +37,34 @@ CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    # No arguments at all, from a fresh folder, exactly as the README's quick start runs it on
-    # a laptop. The GPUs, if any, are hidden: that is the CPU machine's default on any machine
-    # (test_gpu.py runs the same command with the GPUs visible).
+def two_jobs(tmp_path_factory):
+    """Two learners on one machine, started at the same moment; one launch serves the tests of
+    both. Job 0 is the README's quick start: no arguments, from a fresh folder, with the GPUs
+    hidden, which is the CPU machine's default on any machine (test_gpu.py runs the same command
+    with the GPUs visible); it finds a free port of its own. Job 1 is told its port through
+    MASTER_PORT, which wins over the free port it would have picked."""
     cwd = tmp_path_factory.mktemp("lesson02_default")
-    return run_lesson(LESSON, cwd=cwd, env=NO_GPUS), cwd / "runs" / LESSON
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    own_port = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    script = str(ROOT / LESSON / "train.py")
+    told = tmp_path_factory.mktemp("lesson02_told_its_port")
+    jobs = [subprocess.Popen([sys.executable, script], cwd=cwd, env={**own_port, **NO_GPUS},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+            subprocess.Popen([sys.executable, script, *CPU, "--world-size", "2", "--epochs", "2",
+                              "--out-dir", told], env={**own_port, "MASTER_PORT": str(port)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    outputs = [job.communicate(timeout=240) for job in jobs]
+    results = [subprocess.CompletedProcess(job.args, job.returncode, out, err)
+               for job, (out, err) in zip(jobs, outputs, strict=True)]
+    return results, [cwd / "runs" / LESSON, told], port
+
+
+@pytest.fixture(scope="module")
+def default_run(two_jobs):
+    results, out_dirs, _ = two_jobs
+    return results[0], out_dirs[0]
 
 
 def test_default_run_is_two_cpu_ranks_and_learns(default_run):
@@ -177,26 +199,14 @@ def test_a_rank_that_raises_takes_the_job_down_and_is_named(lesson_run):
     assert result.stderr.strip().splitlines()[-1].startswith("error: rank 1 failed")
 
 
-def test_two_jobs_started_at_the_same_moment_both_succeed(tmp_path):
-    # Two learners on one machine. Job 1 finds a free port of its own; job 0 is told its port
-    # through MASTER_PORT, which wins over the free port it would have picked.
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    own_port = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
-    script = str(ROOT / LESSON / "train.py")
-    jobs = [subprocess.Popen([sys.executable, script, *CPU, "--world-size", "2",
-                              "--epochs", "2", "--out-dir", tmp_path / f"job{i}"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for i, env in enumerate([{**own_port, "MASTER_PORT": str(port)}, own_port])]
-    outputs = [job.communicate(timeout=240) for job in jobs]
-    for job, (_, stderr) in zip(jobs, outputs, strict=True):
-        assert job.returncode == 0, stderr
-    for i in range(2):
-        assert read_metrics(tmp_path / f"job{i}")["test_total"] == 36
-    assert f"rank 0 listens on 127.0.0.1:{port}" in outputs[0][0]
-    assert "rank 0 listens on 127.0.0.1:" in outputs[1][0]
-    assert f"127.0.0.1:{port}" not in outputs[1][0]
+def test_two_jobs_started_at_the_same_moment_both_succeed(two_jobs):
+    (default, told), out_dirs, port = two_jobs
+    for job, out_dir in zip((default, told), out_dirs, strict=True):
+        assert job.returncode == 0, job.stderr
+        assert read_metrics(out_dir)["test_total"] == 36
+    assert f"rank 0 listens on 127.0.0.1:{port}" in told.stdout
+    assert "rank 0 listens on 127.0.0.1:" in default.stdout
+    assert f"127.0.0.1:{port}" not in default.stdout
 
 
 def test_out_dir_that_is_a_file_gets_one_clear_line(tmp_path):
