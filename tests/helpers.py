@@ -221,11 +221,23 @@ def signal_states(group):
     return states
 
 
+# A command typed in a terminal starts with SIGINT at its default action. A test run started in
+# the background by a script (`python -m pytest &`, nohup) ignores SIGINT, and so does every
+# process it starts (bash(1), SIGNALS: without job control, asynchronous commands ignore SIGINT),
+# and Python turns SIGINT into KeyboardInterrupt only "if the parent process has not changed it"
+# (the signal module's docs): Ctrl-C would reach no process of the lesson. interrupt_when starts
+# its command through this line, which puts SIGINT back to its default, then runs the command.
+AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def interrupt_when(command, marker, timeout=180):
-    """Start command in its own process group, wait for a stdout line starting with marker, then
-    press Ctrl-C: SIGINT to the whole group, as a terminal sends it. Returns (finished process,
-    seconds it took to end after Ctrl-C, pids of the group still alive 10 s after it ended)."""
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    """Start command in its own process group, as from a terminal, wait for a stdout line
+    starting with marker, then press Ctrl-C: SIGINT to the whole group, as a terminal sends it.
+    Returns (finished process, seconds it took to end after Ctrl-C, pids of the group still alive
+    10 s after it ended). command[0] is the program's full path, such as sys.executable."""
+    process = subprocess.Popen([sys.executable, "-c", AS_FROM_A_TERMINAL, *map(str, command)],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, start_new_session=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     watchdog = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))

@@ -242,6 +242,26 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     assert not left, f"processes left behind: {left}"
 
 
+def test_ctrl_c_reaches_the_command_even_from_a_test_run_in_the_background(tmp_path):
+    # pytest started in the background by a script ignores SIGINT, and its children inherit
+    # that. interrupt_when puts SIGINT back to its default, as a terminal gives it: without that
+    # (AS_FROM_A_TERMINAL = "pass"), the sleeper below ignores Ctrl-C and this test fails.
+    script = tmp_path / "press.py"
+    script.write_text(
+        "import signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in a background job\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from helpers import interrupt_when\n"
+        "sleeper = [sys.executable, '-c', 'import time; print(\"ready\", flush=True); "
+        "time.sleep(90)']\n"
+        "result, took, left = interrupt_when(sleeper, marker='ready', timeout=60)\n"
+        "print(result.returncode, 'KeyboardInterrupt' in result.stderr, left)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    # An uncaught KeyboardInterrupt ends Python by SIGINT itself: exit status -2.
+    assert done.stdout.split() == ["-2", "True", "[]"], done.stdout + done.stderr
+
+
 def test_a_stalled_rank_ends_the_job_within_the_timeout(lesson_run):
     # Rank 1 sleeps for 5 minutes in its second epoch; rank 0 waits for it in the all-reduce
     # only as long as --timeout, then the job ends with one line.
