@@ -195,7 +195,6 @@ class WineMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
-@functools.cache
 @functools.cache  # built once per process; build_model hands out copies
 def initial_model(model_name):
     torch.manual_seed(0)  # the same initial weights on every rank
