@@ -244,8 +244,9 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
 
 def test_ctrl_c_reaches_the_command_even_from_a_test_run_in_the_background(tmp_path):
     # pytest started in the background by a script ignores SIGINT, and its children inherit
-    # that. interrupt_when puts SIGINT back to its default, as a terminal gives it: without that
-    # (AS_FROM_A_TERMINAL = "pass"), the sleeper below ignores Ctrl-C and this test fails.
+    # that. interrupt_when puts SIGINT back to its default, as a terminal gives it: with
+    # AS_FROM_A_TERMINAL's signal.signal call taken out, the sleeper below ignores Ctrl-C and
+    # this test fails (-9, no KeyboardInterrupt).
     script = tmp_path / "press.py"
     script.write_text(
         "import signal, sys\n"

@@ -68,10 +68,10 @@ def every_mode(tmp_path_factory):
     runs = {}
     for world_size in (1, 2, 3):
         out_dir = tmp_path_factory.mktemp(f"lesson08_{world_size}_ranks")
-        groups = [("wine", [*WINE, "--world-size", world_size])]
-        if world_size == 2:  # the profiles the tests read are those of 2 ranks
-            groups = [("wine", [*WINE, *PROFILE, "--world-size", world_size]),
-                      ("large", [*LARGE, "--world-size", world_size])]
+        profile = PROFILE if world_size == 2 else []  # the tests read the profiles of 2 ranks
+        groups = [("wine", [*WINE, *profile, "--world-size", world_size])]
+        if world_size == 2:
+            groups.append(("large", [*LARGE, "--world-size", world_size]))
         run_every_mode(out_dir, *groups)
         runs[world_size] = out_dir
     return runs
