@@ -207,15 +207,21 @@ def test_overlap_is_shown_in_the_profile(every_mode):
     # The larger model, 4 buckets: in overlap, buckets and ddp the first gradient's transfer
     # begins while backward still computes the gradients of the layers below; after-backward
     # and flat start theirs only once backward has ended. On every rank.
+    # The launch inside backward is certain on every rank. When gloo's thread begins the
+    # transfer is the OS's choice: with one core per rank it shares that core with backward, and
+    # on a busy machine rank 1's began 0.13 ms after backward's last gradient once (CI). So the
+    # transfer must begin during backward on at least one rank.
     for mode in ("overlap", "buckets", "ddp", "after-backward", "flat"):
+        during = []
         for rank in (0, 1):
             backward, gradients, launches, transfers = step_trace(
                 every_mode[2] / "large" / mode, rank)
             if mode in ("after-backward", "flat"):
                 assert launches[0]["ts"] >= end(backward), (mode, rank)
             else:
-                assert transfers[0]["ts"] < end(gradients[-1]), (mode, rank)
                 assert launches[0]["ts"] < gradients[-1]["ts"], (mode, rank)
+                during.append(transfers[0]["ts"] < end(gradients[-1]))
+        assert mode in ("after-backward", "flat") or any(during), mode
 
 
 # ---------------------------------------------------------------------------------------------
