@@ -2,6 +2,7 @@
 
 import ast
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, small_disk
 
 LESSON_SCRIPTS = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
 LESSONS = sorted(p.parent for p in ROOT.glob("[0-9][0-9]_*/train.py"))  # 01 on, not 00
@@ -123,3 +124,17 @@ def test_each_lesson_reads_in_one_sitting(lesson):
         assert len(added) <= limit, f"{diff.name} adds {len(added)} lines, more than {limit}"
     lines = len((lesson / "README.md").read_text().splitlines())
     assert lines <= README_LIMIT, f"{lesson.name}/README.md: {lines} lines, over {README_LIMIT}"
+
+
+def test_ci_stops_at_once_on_a_disk_too_small_and_leaves_nothing(tmp_path):
+    # CI's first step: with less space than its virtual environment needs, one line names the
+    # folder and the fix before apt-get or pip start, and the folder CI made is removed again.
+    small = tmp_path / "small"
+    with small_disk(small):
+        result = subprocess.run(["bash", str(ROOT / ".ci" / "run")], capture_output=True,
+                                text=True, timeout=60, env={**os.environ, "TMPDIR": str(small)})
+        left = list(small.iterdir())
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout == ""
+    assert f"free for its virtual environment in {small}, which has 0 GiB" in result.stderr
+    assert left == []
