@@ -136,5 +136,5 @@ def test_ci_stops_at_once_on_a_disk_too_small_and_leaves_nothing(tmp_path):
         left = list(small.iterdir())
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stdout == ""
-    assert f"free for its virtual environment in {small}, which has 0 GiB" in result.stderr
+    assert f"free for its virtual environments in {small}, which has 0 GiB" in result.stderr
     assert left == []
