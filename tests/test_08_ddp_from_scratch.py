@@ -204,13 +204,13 @@ def test_bucket_sizes_follow_the_readmes_arithmetic(bucket_mb, sizes):
 
 
 def test_overlap_is_shown_in_the_profile(every_mode):
-    # The larger model, 4 buckets: in overlap, buckets and ddp the first gradient's transfer
-    # begins while backward still computes the gradients of the layers below; after-backward
-    # and flat start theirs only once backward has ended. On every rank.
-    # The launch inside backward is certain on every rank. When gloo's thread begins the
-    # transfer is the OS's choice: with one core per rank it shares that core with backward, and
-    # on a busy machine rank 1's began 0.13 ms after backward's last gradient once (CI). So the
-    # transfer must begin during backward on at least one rank.
+    # The larger model, 4 buckets: in overlap, buckets and ddp every rank launches the first
+    # all-reduce while backward still computes the gradients of the layers below;
+    # after-backward and flat launch theirs only once backward has ended, on every rank too.
+    # When gloo's thread begins the transfer is the OS's choice: with one core per rank it
+    # shares that core with backward, and on a busy machine rank 1's began 0.13 ms after
+    # backward's last gradient once (CI). So the transfer must begin during backward on at
+    # least one rank.
     for mode in ("overlap", "buckets", "ddp", "after-backward", "flat"):
         during = []
         for rank in (0, 1):

@@ -127,7 +127,7 @@ def test_each_lesson_reads_in_one_sitting(lesson):
 
 
 def test_ci_stops_at_once_on_a_disk_too_small_and_leaves_nothing(tmp_path):
-    # CI's first step: with less space than its virtual environment needs, one line names the
+    # CI's first step: with less space than its virtual environments need, one line names the
     # folder and the fix before apt-get or pip start, and the folder CI made is removed again.
     small = tmp_path / "small"
     with small_disk(small):
