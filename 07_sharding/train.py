@@ -118,11 +118,27 @@ def local_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def peak_memory_bytes(device):
-    """The most memory this rank has used so far: on a GPU, what PyTorch allocated there; on
-    the CPU, the process's peak resident memory (Python and torch's libraries included)."""
+def memory_baseline(device):
+    """On a GPU, start counting the peak now and return what the GPU holds: what
+    peak_memory_bytes subtracts, so that it counts the tensors of training alone. 0 on the CPU."""
+    if device.type != "cuda":
+        return 0
+    # cuBLAS takes a workspace for each thread that multiplies, from the allocator that tensors
+    # use, and keeps it: megabytes that are no training state (torch's own leak check clears
+    # them before it counts: torch/testing/_internal/common_utils.py). One forward and backward
+    # of a throwaway model makes them before the baseline: this thread's for forward, and that
+    # of autograd's own thread for this GPU, which runs backward.
+    WineMLP().to(device)(torch.zeros(2, 13, device=device)).sum().backward()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_memory_bytes(device, baseline):
+    """The most memory this rank has used so far: on a GPU, what PyTorch allocated there since
+    memory_baseline, less that baseline; on the CPU, the process's peak resident memory (Python
+    and torch's libraries included)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return torch.cuda.max_memory_allocated(device) - baseline
     if sys.platform == "win32":
         return -1  # Windows has no getrusage: the table says n/a
     import resource  # Unix and macOS only: imported here, so the lesson starts on Windows
@@ -304,12 +320,12 @@ class Trainer:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return int(counts[0]), int(counts[1])
 
-    def memory_per_rank(self):
+    def memory_per_rank(self, baseline):
         """[parameters, gradients, optimizer state, peak] in bytes, one row per rank."""
         params = list(self.model.parameters())
         state = [t for s in self.adam.state.values() for t in s.values() if torch.is_tensor(t)]
         row = torch.tensor([local_bytes(params), local_bytes(p.grad for p in params),
-                            local_bytes(state), peak_memory_bytes(self.device)],
+                            local_bytes(state), peak_memory_bytes(self.device, baseline)],
                            device=self.device)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
         dist.all_gather(rows, row)  # every rank's row, so that rank 0 can print them all
@@ -375,6 +391,7 @@ class Trainer:
 def main(rank, local_rank, args):
     start = args.start_time  # set by launch, before the ranks were started
     device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
+    baseline = memory_baseline(device)  # before the model, so the peak covers all of training
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
@@ -410,7 +427,7 @@ def main(rank, local_rank, args):
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
     # Before evaluating, which gathers layers again; a run that took no step has nothing to show.
-    memory = trainer.memory_per_rank() if resumed_after_epoch < args.epochs else []
+    memory = trainer.memory_per_rank(baseline) if resumed_after_epoch < args.epochs else []
     correct, total = trainer.evaluate()
     # The full, plain weights: gathered from every rank's shards (a collective, so every rank
     # takes part), onto rank 0's CPU alone. They load into lesson 01's model.

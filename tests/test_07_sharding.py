@@ -369,10 +369,10 @@ needs_gpu = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU; none is visi
 needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine has {GPUS}")
 
 
-@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_sharded_run_learns_and_measures_cuda_memory(lesson_run, strategy):
+def test_gpu_every_strategy_learns_and_measures_cuda_memory(lesson_run, strategy):
     world_size = min(GPUS, 2)
     result, out_dir = lesson_run(LESSON, "--backend", "nccl", "--strategy", strategy,
                                  "--world-size", world_size)
@@ -381,7 +381,11 @@ def test_gpu_sharded_run_learns_and_measures_cuda_memory(lesson_run, strategy):
     assert metrics["peak_memory_measure"] == "cuda_max_allocated"
     full = ddp_bytes()
     for row in metrics["memory"]:
-        assert 0 < row["peak"] < 1 << 30
+        # Tensors only: at least what the rank still holds, and far below one cuBLAS workspace
+        # (8 MiB by default, 32 MiB on recent GPUs), which memory_baseline made beforehand and
+        # subtracts.
+        held = row["parameters"] + row["gradients"] + row["optimizer_state"]
+        assert held <= row["peak"] < 4 << 20, row
         if strategy == "fsdp":
             assert row["parameters"] <= full["parameters"] / world_size + 64 * FLOAT * 2
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
