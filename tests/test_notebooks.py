@@ -7,8 +7,9 @@ the cell and shows its traceback. (nbmake would add a plugin and a requirement; 
 to compare stored outputs, which these notebooks do not keep.)
 
 They are stored without outputs, so that diffs stay readable and no stale number or figure can
-disagree with the code; `python tools/clear_notebooks.py` clears them after a run, and a test
-fails until it has. For executed copies (they land in runs/, which git ignores):
+disagree with the code: nbstripout, with the arguments of its hook in .pre-commit-config.yaml,
+strips them after a run (`pre-commit run --all-files`), and a test fails until it has. For
+executed copies (they land in runs/, which git ignores):
 
     jupyter nbconvert --to notebook --execute --output-dir runs/notebooks/executed notebooks/*.ipynb
 """
@@ -21,6 +22,7 @@ import sys
 
 import nbformat
 import pytest
+import yaml  # pre-commit's own dependency: it reads .pre-commit-config.yaml with it
 from nbclient import NotebookClient
 
 from helpers import ROOT
@@ -62,8 +64,13 @@ def read(path):
     return nbformat.read(path, as_version=4)
 
 
-def clear_notebooks(*args):
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "clear_notebooks.py"), *args],
+def nbstripout(*args):
+    """nbstripout with the arguments its pre-commit hook passes, so the tests check the stored
+    notebooks against exactly what the hook writes."""
+    config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())
+    hook = next(hook for repo in config["repos"] for hook in repo["hooks"]
+                if hook["id"] == "nbstripout")
+    return subprocess.run([sys.executable, "-m", "nbstripout", *hook["args"], *args],
                           capture_output=True, text=True)
 
 
@@ -109,27 +116,32 @@ def test_every_lesson_has_a_notebook():
 
 
 def test_stored_without_outputs():
-    result = clear_notebooks("--check")
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = nbstripout("--verify", *map(str, NOTEBOOKS))
+    assert result.returncode == 0, (result.stdout + result.stderr
+                                    + "strip them with: pre-commit run nbstripout --all-files")
 
 
-def test_clearing_restores_a_notebook_that_was_run(tmp_path):
-    # The guard must bite: what a run leaves in a notebook is reported, and clearing it gives
-    # back the stored file byte for byte, the collapsed answers included.
+def test_stripping_restores_a_notebook_that_was_run(tmp_path):
+    # The guard must bite: what a run leaves in a notebook is reported, and stripping it gives
+    # back the stored file byte for byte, the cell ids and the collapsed answers included.
     stored = NOTEBOOKS[0]
     notebook = read(stored)
     for number, cell in enumerate(c for c in notebook.cells if c.cell_type == "code"):
         cell.execution_count = number + 1
         cell.outputs = [nbformat.v4.new_output("stream", text="printed\n")]
         cell.metadata["execution"] = {"shell.execute_reply": "2024-01-01T00:00:00Z"}
-    notebook.metadata["language_info"] = {"name": "python", "version": "3.11.7"}
-    (tmp_path / "notebooks").mkdir()
-    nbformat.write(notebook, tmp_path / "notebooks" / stored.name)
-    result = clear_notebooks("--check", "--root", str(tmp_path))
+    # What ipykernel writes on every run (an executed copy of this notebook had exactly these).
+    notebook.metadata["language_info"] = {
+        "codemirror_mode": {"name": "ipython", "version": 3}, "file_extension": ".py",
+        "mimetype": "text/x-python", "name": "python", "nbconvert_exporter": "python",
+        "pygments_lexer": "ipython3", "version": "3.11.7"}
+    run = tmp_path / stored.name
+    nbformat.write(notebook, run)
+    result = nbstripout("--verify", str(run))
     assert result.returncode == 1
-    assert f"not cleared: notebooks/{stored.name}" in result.stdout
-    assert clear_notebooks("--root", str(tmp_path)).returncode == 0
-    assert (tmp_path / "notebooks" / stored.name).read_bytes() == stored.read_bytes()
+    assert f"would have stripped {run}" in result.stdout
+    assert nbstripout(str(run)).returncode == 0
+    assert run.read_bytes() == stored.read_bytes()
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
