@@ -134,6 +134,40 @@ def setup_process_group(rank, world_size, backend, timeout):
     return device
 
 
+def make_group(timeout, ranks=None, backend=None):
+    """A process group beside the launch's, with its --timeout. Without one, new_group gives
+    the 30-minute default, whatever init_process_group was given (torch 2.14,
+    torch/distributed/distributed_c10d.py: _new_group_with_tag), and a collective that a peer
+    never joins would hold the run that long. new_group's rule: every rank creates every
+    group, in the same order."""
+    return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
+
+
+def leave_group(failed):
+    """Leave the process group as the lessons' guard_rails.leave_group does: destroy it after
+    work that ended well; after a failure with NCCL, abort it. destroy_process_group waits for
+    every NCCL collective this rank started, and one that its peers never join would hold the
+    rank until NCCL's watchdog ends it at --timeout; an abort (ncclCommAbort) ends them at once
+    (_abort_process_group: private, NCCL-only in torch 2.14). gloo's destroy waits for no peer."""
+    if not dist.is_initialized():
+        return
+    if failed and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+def make_cublas_workspaces(device):
+    """Let cuBLAS take its workspaces now, before any case's memory is counted.
+
+    cuBLAS takes a workspace for each thread that multiplies, from the allocator that tensors
+    use, and keeps it (torch's own leak check clears them before it counts:
+    torch/testing/_internal/common_utils.py): megabytes that would land in the peak of
+    whichever case multiplied first. One forward and backward of a throwaway model makes both:
+    this thread's for forward, and that of autograd's own thread for this GPU, for backward."""
+    WineMLP().to(device)(torch.zeros(2, 13, device=device)).sum().backward()
+
+
 def synchronize(device, devices=1):
     # CUDA runs asynchronously: without waiting for the GPU, the clock would stop while the
     # work is still queued. DataParallel keeps several GPUs busy, so wait for each of them.
@@ -517,6 +551,7 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
     """What mp.spawn runs in each rank: build every case of this launch, run one untimed round of
     them, then measure them in rounds, one repeat of every case per round (the noise check's
     case all at once before the rounds and after them)."""
+    failed = True  # until the last line of the work: then the group is destroyed, not aborted
     try:
         device = setup_process_group(rank, world_size, backend, args.timeout)
         if device.type == "cuda":
@@ -524,17 +559,16 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
             # fastest, as GPU training scripts do. It tunes during the warm-up steps, and every
             # case of this process, plain model and DDP alike, runs with it.
             torch.backends.cudnn.benchmark = True
+            make_cublas_workspaces(device)
         # NCCL versus gloo on the same GPU tensors needs a second group; every rank creates it.
         groups = {backend: None}
         if backend == "nccl" and any(case.get("backend") == "gloo" for case in cases):
-            groups["gloo"] = dist.new_group(backend="gloo")
+            groups["gloo"] = make_group(args.timeout, backend="gloo")
         # A DDP case with fewer ranks than this launch (per worker, on the CPU) all-reduces in a
-        # group of its own ranks. new_group's rule: every rank creates every group, in order.
+        # group of its own ranks.
         smaller = sorted({c["world_size"] for c in cases if c["world_size"] < world_size
                           and c["case"] not in (*ALONE, "dataparallel")})
-        subgroups = {size: dist.new_group(list(range(size)),
-                                          timeout=datetime.timedelta(seconds=args.timeout))
-                     for size in smaller}
+        subgroups = {size: make_group(args.timeout, list(range(size))) for size in smaller}
         works, held = [], []
         for case in cases:
             torch.set_num_threads(case["threads_per_rank"])
@@ -602,9 +636,9 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
                 print(f"[{case['index']}/{total}] {describe(case)} ... {result}", flush=True)
             with open(partial_path, "w") as f:
                 json.dump(rows, f)
+        failed = False
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(failed)
     # As the lessons' leave_process: gloo's threads can abort a finished rank while Python tears
     # down the interpreter (torch 2.14; tools/repro_teardown.py, pytorch/pytorch#190489), so
     # flush and leave at once.
