@@ -2,8 +2,12 @@
 
 First every lesson as a learner first runs it, with no arguments: what its defaults must give
 for this machine's GPU count (the preflight's GPU run is
-test_00_preflight.py::test_gpu_commands). Then the NCCL paths with flags: one GPU, and with two
-or more GPUs, world size 2 as well."""
+test_00_preflight.py::test_gpu_commands). Then every lesson that torchrun may start, started by
+it. Then the NCCL paths with flags: one GPU, and with two or more GPUs, world size 2 as well.
+The rest of the tier sits beside each lesson's CPU tests under the same `gpu` marker (lesson 06's
+precisions and torch.compile, lesson 07's strategies, lesson 08's gradient synchronisations, the
+benchmark): `python -m pytest -m gpu -rA` runs all of it and lists what ran and what was skipped,
+with the reason."""
 
 import sys
 
@@ -42,8 +46,10 @@ def test_lesson01_default_trains_on_the_gpu(lesson_run):
 
 
 # The bar for any number of ranks is the CPU tier's for world sizes other than 2: 90%. (On the
-# CPU, gloo runs of lesson 02 with 1 to 8 ranks all score 35 of the 36 test wines.)
-@pytest.mark.parametrize("lesson", ["02_multi_gpu_spawn", "04_checkpointing"])
+# CPU, gloo runs of lesson 02 with 1 to 8 ranks all score 35 of the 36 test wines.) Lesson 07's
+# default is FSDP. Lesson 08's default run is checked in test_08_ddp_from_scratch.py.
+@pytest.mark.parametrize("lesson", ["02_multi_gpu_spawn", "04_checkpointing",
+                                    "06_ddp_in_practice", "07_sharding"])
 def test_default_is_one_nccl_rank_per_gpu(lesson_run, lesson):
     result, out_dir = lesson_run(lesson)
     metrics = assert_good_run(result, out_dir, world_size=GPUS)
@@ -102,6 +108,26 @@ def test_more_ranks_than_gpus_fall_back_to_gloo_and_say_so(lesson_run):
         GPUS + 1, "gloo", "cpu")
 
 
+# --- torchrun, which starts the ranks itself --------------------------------------------------
+# Every lesson whose start() accepts torchrun: one process per GPU, two at most. Lesson 05 needs a
+# pair of GPUs per rank, or one GPU for its one rank: 1 process below 4 GPUs, then 2.
+@pytest.mark.parametrize("lesson", ["03_multi_node", "04_checkpointing", "05_model_parallel_ddp",
+                                    "06_ddp_in_practice", "07_sharding", "08_ddp_from_scratch"])
+def test_torchrun_starts_one_nccl_rank_per_gpu(lesson, tmp_path):
+    nproc = max(1, min(GPUS // 2, 2)) if lesson == "05_model_parallel_ddp" else NCCL_WORLD
+    result = run_torchrun(lesson, "--out-dir", tmp_path, nproc=nproc)
+    metrics = assert_good_run(result, tmp_path, world_size=nproc)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert "rank 0 listens on" not in result.stdout  # mp.spawn's line: torchrun started them
+    if "launcher" in metrics:
+        assert metrics["launcher"] == "torchrun"
+    if lesson == "05_model_parallel_ddp":  # rank 0's stages, planned from its local rank
+        assert metrics["stage_devices"] == (["cuda:0", "cuda:0"] if GPUS == 1
+                                            else ["cuda:0", "cuda:1"])
+    assert evaluate_single_process(tmp_path) == (metrics["test_correct"], 36)
+    assert_final_pt_holds_cpu_tensors(tmp_path)
+
+
 # --- the NCCL paths, with flags --------------------------------------------------------------
 def test_lesson01_device_flag_overrides_the_gpu(lesson_run):
     result, out_dir = lesson_run("01_single_gpu", "--device", "cpu", "--epochs", 2)
@@ -154,19 +180,6 @@ def test_lesson05_four_gpus_make_two_ranks_of_two(lesson_run):
     result, out_dir = lesson_run("05_model_parallel_ddp", env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
     assert metrics["stage_devices"] == ["cuda:0", "cuda:1"]  # rank 0's pair; rank 1 has 2 and 3
-
-
-@needs_two
-def test_lesson05_under_torchrun_plans_the_gpus_of_its_node(tmp_path):
-    # torchrun starts the ranks; each finds its pair by its local rank.
-    nproc = min(GPUS // 2, 2)
-    result = run_torchrun("05_model_parallel_ddp", "--epochs", 5, "--out-dir", tmp_path,
-                          nproc=nproc)
-    assert result.returncode == 0, result.stdout + result.stderr
-    metrics = read_metrics(tmp_path)
-    assert (metrics["world_size"], metrics["backend"]) == (nproc, "nccl")
-    assert metrics["stage_devices"] == ["cuda:0", "cuda:1"]
-    assert evaluate_single_process(tmp_path) == (metrics["test_correct"], 36)
 
 
 def test_lesson05_more_ranks_than_gpu_pairs_is_refused(tmp_path):
