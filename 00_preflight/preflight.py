@@ -17,6 +17,7 @@ Run it from the repository root:
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -560,6 +561,9 @@ def parse_args(argv=None):
     if args.master_port is not None and not 0 < args.master_port < 65536:
         sys.exit(f"error: --master-port must be a port number, 1 .. 65535 "
                  f"(got {args.master_port})")
+    # nan passes the comparison below, and a timedelta cannot hold inf: the lessons' rule too.
+    if not math.isfinite(args.timeout):
+        sys.exit(f"error: --timeout must be a finite number (got {args.timeout})")
     if args.timeout <= 0:
         sys.exit(f"error: --timeout must be positive (got {args.timeout:g})")
     return args

@@ -16,6 +16,7 @@ import io
 import ipaddress
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -38,6 +39,12 @@ def fail(message):
 
 def check_args(args):
     """Refuse a value that cannot work, naming its flag (a flag the lesson lacks is skipped)."""
+    # Every float flag, the lesson's own included, first: nan passes every comparison below and
+    # inf passes "positive", and then a run trains on nan (--lr inf) or fails deep inside torch
+    # (--timeout nan).
+    for name, value in vars(args).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{name.replace('_', '-')} must be a finite number (got {value})")
     for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
                  "crash_at_epoch"):
         value = getattr(args, name, None)
@@ -59,8 +66,7 @@ def started_by_torchrun():
 def check_launcher(torchrun_ok):
     """Name the right command when a launcher the lesson is not written for started it."""
     if started_by_torchrun() and not torchrun_ok:
-        fail(f"{sys.argv[0]} is not written for torchrun, which starts only lessons 03 to 07; "
-             f"start it with: python {sys.argv[0]}")
+        fail(f"{sys.argv[0]} is not written for torchrun; start it with: python {sys.argv[0]}")
 
 
 def check_out_dir(path):
@@ -104,7 +110,7 @@ def start(entry, parse, torchrun_ok):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lessons with ranks (02 to 07): the port, ranks that fail, stall or lose each other
+# Lessons with ranks: the port, ranks that fail, stall or lose each other
 # ---------------------------------------------------------------------------------------------
 
 def port_in_use(port):
@@ -471,8 +477,8 @@ def save_or_fail(path, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lessons 04 and 07: a checkpoint that cannot continue this run, or that some rank
-# cannot see, and the store torchrun's restarts need
+# Lessons that resume: a checkpoint that cannot continue this run, or that some rank cannot
+# see, and the store torchrun's restarts need
 # ---------------------------------------------------------------------------------------------
 SNAPSHOT_KEYS = ("model", "optimizer", "epochs_completed", "train_loss", "world_size",
                  "settings")

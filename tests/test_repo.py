@@ -2,7 +2,9 @@
 
 import ast
 import importlib.util
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, small_disk
+from helpers import ROOT, assert_one_line_error, small_disk
 
 LESSON_SCRIPTS = sorted(ROOT.glob("[0-9][0-9]_*/*.py"))
 LESSONS = sorted(p.parent for p in ROOT.glob("[0-9][0-9]_*/train.py"))  # 01 on, not 00
@@ -138,3 +140,155 @@ def test_ci_stops_at_once_on_a_disk_too_small_and_leaves_nothing(tmp_path):
     assert result.stdout == ""
     assert f"free for its virtual environments in {small}, which has 0 GiB" in result.stderr
     assert left == []
+
+
+# ---------------------------------------------------------------------------------------------
+# What each lesson's script says about itself, read from its code: the one source for every
+# list of lessons the docs print, so that a new lesson or flag cannot leave a list stale.
+# ---------------------------------------------------------------------------------------------
+
+def script_facts(script):
+    """{"flags": {flag: its type's name or None}, "torchrun": torchrun_ok given to start(),
+    "restarts": whether it calls restart_store (it resumes after torchrun's restarts)}."""
+    tree = ast.parse(script.read_text())
+    facts = {"flags": {}, "torchrun": False, "restarts": False}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        keywords = {keyword.arg: keyword.value for keyword in node.keywords}
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+            kind = keywords.get("type")
+            facts["flags"][node.args[0].value] = kind.id if isinstance(kind, ast.Name) else None
+        elif isinstance(node.func, ast.Name) and node.func.id == "start":
+            facts["torchrun"] = keywords["torchrun_ok"].value
+        elif isinstance(node.func, ast.Name) and node.func.id == "restart_store":
+            facts["restarts"] = True
+    return facts
+
+
+FACTS = {lesson.name[:2]: script_facts(lesson / "train.py") for lesson in LESSONS}
+TORCHRUN_LESSONS = {number for number, facts in FACTS.items() if facts["torchrun"]}
+RESTART_LESSONS = {number for number, facts in FACTS.items() if facts["restarts"]}
+# "lesson 03", "lessons 02, 04 and 07", "lessons 03 to 08", "lessons 03–08"
+LESSON_LIST = re.compile(r"\b[Ll]essons? (\d\d(?:(?:, | and | to |–)\d\d)*)")
+
+
+def lessons_named(words):
+    """The lesson numbers that "02, 04 and 06" or "03 to 08" names, as a set of "NN"."""
+    named = set()
+    for part in re.split(r", | and ", words):
+        first, _, last = re.split(r"( to |–)", part) if re.search(" to |–", part) else (
+            part, None, part)
+        named |= {number for number in FACTS if first <= number <= last}
+    return named
+
+
+def doc_units(path):
+    """The sentences of a Markdown file or of a notebook's Markdown cells, each table row one."""
+    if path.suffix == ".ipynb":
+        text = "\n\n".join("".join(cell["source"]) for cell in json.loads(path.read_text())
+                           ["cells"] if cell["cell_type"] == "markdown")
+    else:
+        text = path.read_text()
+    for block in re.split(r"\n\s*\n", text):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        yield from rows
+        prose = " ".join(line for line in block.splitlines() if not line.startswith("|"))
+        yield from re.split(r"(?<=[.;])\s+(?=[A-Z`(])", prose)
+
+
+DOCS = sorted(path for pattern in ("*.md", "*/*.md", "notebooks/*.ipynb")
+              for path in ROOT.glob(pattern) if ".venv" not in path.parts)
+
+
+def test_every_list_of_torchrun_lessons_matches_the_code():
+    # A sentence or table row that names two or more lessons and torchrun says which lessons
+    # torchrun may start: those whose start(...) says torchrun_ok=True. One about restarts
+    # (--max-restarts, restart_store) names those that call restart_store.
+    assert TORCHRUN_LESSONS and RESTART_LESSONS <= TORCHRUN_LESSONS
+    checked = 0
+    for path in DOCS:
+        for unit in doc_units(path):
+            for match in LESSON_LIST.finditer(unit):
+                named = lessons_named(match.group(1))
+                if "--max-restarts" in unit or "restart_store" in unit:
+                    expected = RESTART_LESSONS
+                elif "torchrun" in unit.lower():
+                    expected = TORCHRUN_LESSONS
+                else:
+                    continue
+                if len(named) < 2:
+                    continue  # "as in lesson 03": an example, not a list
+                assert named == expected, (
+                    f"{path.relative_to(ROOT)}: '{match.group(0)}' in \"{unit.strip()[:160]}\" "
+                    f"names {sorted(named)}; the code says {sorted(expected)}")
+                checked += 1
+    assert checked >= 5  # the lists this check was written for are still found
+
+
+def table_rows(path, heading):
+    """The rows of the first table under the Markdown heading, as lists of cells."""
+    section = path.read_text().split(f"\n{heading}\n", 1)[1].split("\n## ", 1)[0]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")]
+            for line in section.splitlines() if line.startswith("| ")][2:]
+
+
+@pytest.mark.parametrize("path, heading", [("README.md", "## Lessons"),
+                                           ("INSTRUCTORS.md", "## What runs where")])
+def test_lesson_tables_have_every_lesson_and_say_which_take_torchrun(path, heading):
+    rows = {}
+    for cells in table_rows(ROOT / path, heading):
+        number = re.match(r"\W*(\d\d)[ _]", cells[0])
+        if number:
+            rows[number.group(1)] = " ".join(cells[1:])
+    assert set(FACTS) <= set(rows), f"{path}: no row for lessons {sorted(set(FACTS) - set(rows))}"
+    for number, facts in FACTS.items():
+        assert ("torchrun" in rows[number]) == facts["torchrun"], (
+            f"{path}: lesson {number}'s row should {'' if facts['torchrun'] else 'not '}"
+            "mention torchrun")
+
+
+def test_the_flag_table_names_every_flag_and_the_lessons_that_have_it():
+    # A row's meaning ends in "(lesson NN)" or "(lessons ...)" where not every lesson has its
+    # flags; without it, every lesson must have them.
+    in_table = {}
+    for cells in table_rows(ROOT / "README.md", "## The interface every lesson shares"):
+        listed = re.search(r"\(lessons? ([^)]*)\)$", cells[1])
+        lessons = lessons_named(listed.group(1)) if listed else set(FACTS)
+        for flag in re.findall(r"`(--[a-z-]+)`", cells[0]):
+            in_table[flag] = lessons
+    has = {}
+    for number, facts in FACTS.items():
+        for flag in facts["flags"]:
+            has.setdefault(flag, set()).add(number)
+    assert set(has) == set(in_table), (
+        f"missing from the table: {sorted(set(has) - set(in_table))}; "
+        f"no lesson has: {sorted(set(in_table) - set(has))}")
+    for flag, lessons in has.items():
+        assert in_table[flag] == lessons, (
+            f"README.md's flag table: {flag} is in lessons {sorted(lessons)}, "
+            f"the table says {sorted(in_table[flag])}")
+
+
+def float_flag_cases():
+    """(script, flag, value): each lesson and the preflight given inf in its first float flag
+    (--lr, in every lesson) and nan in its last (its own, where it has one: lesson 06's
+    --clip-grad-norm, lesson 08's --bucket-mb; else --timeout). Two runs per script, since each
+    starts torch."""
+    cases = []
+    for script in [ROOT / "00_preflight" / "preflight.py", *(p / "train.py" for p in LESSONS)]:
+        flags = [f for f, kind in script_facts(script)["flags"].items() if kind == "float"]
+        cases += [(script, flags[0], "inf"), (script, flags[-1], "nan")]
+    return cases
+
+
+@pytest.mark.parametrize("script, flag, value", float_flag_cases(),
+                         ids=lambda x: x.parent.name if isinstance(x, Path) else x)
+def test_a_number_that_is_not_finite_gets_one_clear_line(script, flag, value, tmp_path):
+    # nan passes every "at least 1" or "positive" comparison, and inf every "positive" one: one
+    # rule in check_args refuses both before any rank starts (lesson 08's own check of
+    # --bucket-mb runs first, and lets them through to it).
+    result = subprocess.run([sys.executable, str(script), flag, value], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert_one_line_error(result, f"{flag} must be a finite number (got {value})")
