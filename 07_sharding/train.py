@@ -112,31 +112,24 @@ def setup_process_group(rank, local_rank, world_size, backend, timeout):
 
 
 def local_bytes(tensors):
-    """Bytes of the tensors as this rank holds them: of a sharded tensor (a DTensor), only the
-    shard that lives here (to_local), so the count is exact on any device."""
+    """Bytes of the tensors as this rank holds them: of a sharded one (a DTensor), its shard."""
     tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def memory_baseline(device):
-    """On a GPU, start counting the peak now and return what the GPU holds: what
-    peak_memory_bytes subtracts, so that it counts the tensors of training alone. 0 on the CPU."""
+    """Reset the GPU's peak and return what it holds, for peak_memory_bytes to subtract."""
     if device.type != "cuda":
         return 0
-    # cuBLAS takes a workspace for each thread that multiplies, from the allocator that tensors
-    # use, and keeps it: megabytes that are no training state (torch's own leak check clears
-    # them before it counts: torch/testing/_internal/common_utils.py). One forward and backward
-    # of a throwaway model makes them before the baseline: this thread's for forward, and that
-    # of autograd's own thread for this GPU, which runs backward.
+    # cuBLAS keeps megabytes of workspace for each thread that multiplies (backward has its own):
+    # made now, they stay out of the peak (torch/testing/_internal/common_utils.py skips them too).
     WineMLP().to(device)(torch.zeros(2, 13, device=device)).sum().backward()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)
 
 
 def peak_memory_bytes(device, baseline):
-    """The most memory this rank has used so far: on a GPU, what PyTorch allocated there since
-    memory_baseline, less that baseline; on the CPU, the process's peak resident memory (Python
-    and torch's libraries included)."""
+    """This rank's peak: on a GPU, allocated since memory_baseline; on the CPU, resident memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) - baseline
     if sys.platform == "win32":
@@ -163,8 +156,7 @@ def save_atomically(obj, path):
 
 
 def latest_checkpoint(checkpoint_dir):
-    """The newest checkpoint folder whose save finished, or None. dcp.save writes .metadata
-    last, once every rank's files are complete: a folder without it is a save cut short."""
+    """The newest finished checkpoint folder, or None: dcp.save writes .metadata last of all."""
     finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", ".metadata")))
     return os.path.dirname(finished[-1]) if finished else None
 
@@ -233,10 +225,9 @@ def shard_model(model, strategy, device):
         # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     # The mesh: the ranks that share the model, on this device type, over our process group.
-    # Given explicitly, since fully_shard's default mesh is on the accelerator whenever one
-    # exists, and a gloo run's CPU model would move there (pytorch/pytorch#132471). From our
-    # group, since init_device_mesh makes a new one, with the 30-minute default timeout instead
-    # of --timeout, for a gloo group on a machine with CUDA (torch/distributed/device_mesh.py).
+    # Not fully_shard's default, on the accelerator whenever one exists, where a gloo run's CPU
+    # model would move (pytorch/pytorch#132471); nor init_device_mesh, which for a gloo group on
+    # a machine with CUDA makes a new group with the 30-minute default timeout, not --timeout.
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     # Each call makes one unit: its parameters are cut along dim 0, one slice (a DTensor) per
     # rank. In forward and backward a unit is all-gathered whole, used and freed, and its
@@ -484,8 +475,7 @@ def worker(local_rank, args):
 
 
 def launch(args):
-    """Pick backend and port, then start one process per rank; or, under torchrun, which has
-    started them already, be one rank."""
+    """Pick backend and port, then start the ranks; under torchrun, which started them, be one."""
     args.start_time = time.time()
     if started_by_torchrun():
         # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
