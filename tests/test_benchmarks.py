@@ -4,9 +4,11 @@ The figures themselves depend on the machine; what is checked is that the run fi
 every file, that the rows have the documented schema, that every figure is the median of repeats
 measured in rounds (round robin), that every derived figure (speed-up, efficiency, efficiency
 against the ceiling, DDP's cost at world size 1) is the documented formula of the measured ones,
-and what the noise check says when two measurements disagree. Nothing is timed here. The GPU
+and what the noise check says when two measurements disagree. No figure is timed here. The GPU
 settings, which no CPU run exercises, are checked on a pretend GPU: the defaults and the plan of
-cases a run on 1 or 2 GPUs would measure, built without touching CUDA."""
+cases a run on 1 or 2 GPUs would measure, built without touching CUDA. How a rank leaves its
+groups is checked too: a group beside the launch's waits no longer than its timeout, and after a
+failure NCCL is aborted, not destroyed."""
 
 import csv
 import importlib.util
