@@ -273,8 +273,8 @@ def test_the_flag_table_names_every_flag_and_the_lessons_that_have_it():
 def float_flag_cases():
     """(script, flag, value): each lesson and the preflight given inf in its first float flag
     (--lr, in every lesson) and nan in its last (its own, where it has one: lesson 06's
-    --clip-grad-norm, lesson 08's --bucket-mb; else --timeout). Two runs per script, since each
-    starts torch."""
+    --clip-grad-norm, lesson 08's --bucket-mb; else --timeout): two runs per script, not one per
+    flag and value, since each run spends about 2 s importing torch."""
     cases = []
     for script in [ROOT / "00_preflight" / "preflight.py", *(p / "train.py" for p in LESSONS)]:
         flags = [f for f, kind in script_facts(script)["flags"].items() if kind == "float"]
