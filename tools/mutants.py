@@ -26,10 +26,220 @@ class Mutant:
 
 MUTANTS = [
     # --- lesson 02: mp.spawn, DistributedSampler, all-reduced metrics ---
+    Mutant(
+        id="02-no-set-epoch",
+        file="02_multi_gpu_spawn/train.py",
+        find="self.train_loader.sampler.set_epoch(epoch)",
+        replace="pass",
+        claim="set_epoch gives every epoch a new order, the same on every rank.",
+        readme="02_multi_gpu_spawn/README.md"
+               "#each-rank-its-own-slice-distributedsampler-and-set_epoch",
+        tests=("tests/test_02_multi_gpu_spawn.py::test_trainer_calls_set_epoch_every_epoch",),
+    ),
+    Mutant(
+        id="02-evaluation-counts-not-reduced",
+        file="02_multi_gpu_spawn/train.py",
+        find="dist.all_reduce(counts, op=dist.ReduceOp.SUM)",
+        replace="pass",
+        claim="Evaluation counts every test wine once, over all ranks.",
+        readme="02_multi_gpu_spawn/README.md#evaluation-counts-every-test-wine-once",
+        tests=("tests/test_02_multi_gpu_spawn.py::"
+               "test_evaluation_counts_each_test_wine_exactly_once[2]",),
+    ),
     # --- lesson 03: torchrun, global and local rank ---
+    Mutant(
+        id="03-global-rank-is-local-rank",
+        file="03_multi_node/train.py",
+        find="return node_rank * nproc_per_node + local_rank",
+        replace="return local_rank",
+        claim="Each global rank appears exactly once, on every node.",
+        readme="03_multi_node/README.md#the-rank-arithmetic-2-nodes--2-gpus",
+        tests=("tests/test_03_multi_node.py::test_global_rank_gives_every_rank_exactly_once",),
+    ),
+    Mutant(
+        id="03-global-rank-adds-the-ranks",
+        file="03_multi_node/train.py",
+        find="return node_rank * nproc_per_node + local_rank",
+        replace="return node_rank + local_rank",
+        claim="The global rank is node_rank * nproc_per_node + local_rank.",
+        readme="03_multi_node/README.md#the-rank-arithmetic-2-nodes--2-gpus",
+        tests=("tests/test_03_multi_node.py::test_global_rank_gives_every_rank_exactly_once",),
+    ),
+    Mutant(
+        id="03-data-sliced-by-local-rank",
+        file="03_multi_node/train.py",
+        find="train_set, args.batch_size, args.seed, rank, args.world_size)",
+        replace="train_set, args.batch_size, args.seed, local_rank, args.world_size)",
+        claim="The global rank picks each process's slice of the data.",
+        readme="03_multi_node/README.md#the-rank-arithmetic-2-nodes--2-gpus",
+        tests=("tests/test_03_multi_node.py::"
+               "test_two_nodes_by_hand_equal_lesson02_with_four_ranks",),
+    ),
+    Mutant(
+        id="03-every-nodes-first-rank-writes",
+        file="03_multi_node/train.py",
+        find="    if not trainer.is_main_process:\n        if local_rank == 0:",
+        replace="    if local_rank != 0:\n        if local_rank == 0:",
+        claim="Only global rank 0 writes; gated on the local rank, every node would.",
+        readme="03_multi_node/README.md#the-rank-arithmetic-2-nodes--2-gpus",
+        tests=("tests/test_03_multi_node.py::"
+               "test_two_nodes_by_hand_equal_lesson02_with_four_ranks",),
+    ),
+    Mutant(
+        id="03-torchrun-rank-as-local-rank",
+        file="03_multi_node/train.py",
+        find='worker(int(os.environ["LOCAL_RANK"]), args)',
+        replace='worker(int(os.environ["RANK"]), args)',
+        claim="torchrun tells each process who it is: its local rank and its node.",
+        readme="03_multi_node/README.md#torchrun-tells-each-process-who-it-is",
+        tests=("tests/test_03_multi_node.py::"
+               "test_two_nodes_with_torchrun_equal_the_run_by_hand[static]",),
+    ),
     # --- lesson 04: checkpoints, resume ---
+    Mutant(
+        id="04-resume-skips-an-epoch",
+        file="04_checkpointing/train.py",
+        find="for epoch in range(self.epochs_completed, max_epochs):",
+        replace="for epoch in range(self.epochs_completed + 1, max_epochs):",
+        claim="A resumed run ends bitwise equal to the run that never crashed.",
+        readme="04_checkpointing/README.md#a-resume-continues-the-same-run-or-says-why-not",
+        tests=("tests/test_04_checkpointing.py::"
+               "test_crash_then_resume_equals_the_run_that_never_crashed[1-again0]",),
+    ),
+    Mutant(
+        id="04-optimizer-state-not-loaded",
+        file="04_checkpointing/train.py",
+        find='self.optimizer.load_state_dict(snapshot["optimizer"])',
+        replace="pass",
+        claim="The snapshot holds Adam's state: without it the resumed run takes other steps.",
+        readme="04_checkpointing/README.md#what-is-in-a-snapshot-and-why-each-piece",
+        tests=("tests/test_04_checkpointing.py::"
+               "test_crash_then_resume_equals_the_run_that_never_crashed[1-again0]",),
+    ),
     # --- lesson 05: a model split over two devices, DDP over the pairs ---
+    Mutant(
+        id="05-ranks-share-a-gpu",
+        file="05_model_parallel_ddp/train.py",
+        find='[(f"cuda:{2 * rank}", f"cuda:{2 * rank + 1}") for rank in range(world_size)]',
+        replace='[(f"cuda:{rank}", f"cuda:{rank + 1}") for rank in range(world_size)]',
+        claim="Rank r holds fc1 on cuda:2r and fc2 on cuda:2r+1: no GPU serves two ranks.",
+        readme="05_model_parallel_ddp/README.md#the-device-plan",
+        tests=("tests/test_05_model_parallel_ddp.py::test_device_plan",),
+    ),
+    Mutant(
+        id="05-group-bound-to-one-gpu",
+        file="05_model_parallel_ddp/train.py",
+        find="dist.init_process_group(backend, rank=rank, world_size=world_size,",
+        replace="dist.init_process_group(backend, rank=rank, world_size=world_size, "
+                "device_id=device,",
+        claim="init_process_group gets no device_id: a rank's group must reach both its GPUs.",
+        readme="05_model_parallel_ddp/README.md#why-init_process_group-gets-no-device_id",
+        tests=("tests/test_05_model_parallel_ddp.py::"
+               "test_nccl_group_is_not_bound_to_one_gpu_when_a_rank_spans_two",),
+    ),
+    Mutant(
+        id="05-stages-built-in-another-order",
+        file="05_model_parallel_ddp/train.py",
+        find="        self.fc1 = nn.Linear(in_features, hidden).to(self.dev0)\n"
+             "        self.fc2 = nn.Linear(hidden, classes).to(self.dev1)",
+        replace="        self.fc2 = nn.Linear(hidden, classes).to(self.dev1)\n"
+                "        self.fc1 = nn.Linear(in_features, hidden).to(self.dev0)",
+        claim="The split changes no math: the same losses and weights as lesson 02.",
+        readme="05_model_parallel_ddp/README.md#the-split-model-computes-what-the-whole-one-does",
+        tests=("tests/test_05_model_parallel_ddp.py::test_placement_does_not_change_the_math",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="05-split-loses-the-relu",
+        file="05_model_parallel_ddp/train.py",
+        find="hidden = F.relu(self.fc1(x.to(self.dev0)))",
+        replace="hidden = self.fc1(x.to(self.dev0))",
+        claim="The split model gives the unsplit model's output and gradients.",
+        readme="05_model_parallel_ddp/README.md#the-split-model-computes-what-the-whole-one-does",
+        tests=("tests/test_05_model_parallel_ddp.py::"
+               "test_split_forward_and_backward_equal_the_unsplit_model",),
+        kind="refactor",
+    ),
     # --- lesson 06: gradient accumulation, mixed precision, learning-rate schedule ---
+    Mutant(
+        id="06-no-sync-removed",
+        file="06_ddp_in_practice/train.py",
+        find="with contextlib.nullcontext() if last else self.model.no_sync():",
+        replace="with contextlib.nullcontext():",
+        claim="no_sync saves all-reduces, one per optimizer step, and changes no math.",
+        readme="06_ddp_in_practice/README.md#gradient-accumulation---accumulate-k-and-no_sync",
+        tests=("tests/test_06_ddp_in_practice.py::test_no_sync_saves_all_reduces_not_math",),
+    ),
+    Mutant(
+        id="06-loss-not-divided-by-k",
+        file="06_ddp_in_practice/train.py",
+        find="loss = F.cross_entropy(self.model(x), y) * len(y) / len(labels)",
+        replace="loss = F.cross_entropy(self.model(x), y)",
+        claim="K micro-batches of B take the steps of one batch of K*B.",
+        readme="06_ddp_in_practice/README.md#gradient-accumulation---accumulate-k-and-no_sync",
+        tests=("tests/test_06_ddp_in_practice.py::test_accumulation_equals_the_big_batch",),
+    ),
     # --- lesson 07: FSDP and sharded checkpoints ---
+    Mutant(
+        id="07-fsdp-wraps-only-the-root",
+        file="07_sharding/train.py",
+        find="    for layer in (model.fc1, model.fc2):\n        fully_shard(layer, mesh=mesh)\n"
+             "    return fully_shard(model, mesh=mesh)",
+        replace="    return fully_shard(model, mesh=mesh)",
+        claim="FSDP gathers a layer whole only around its computation, never the whole model.",
+        readme="07_sharding/README.md#the-same-steps-less-held",
+        tests=("tests/test_07_sharding.py::test_fsdp_gathers_one_layer_at_a_time_never_the_model",),
+    ),
+    Mutant(
+        id="07-ranks-seeded-apart",
+        file="07_sharding/train.py",
+        find="torch.manual_seed(args.seed)",
+        replace="torch.manual_seed(args.seed + rank)",
+        claim="FSDP takes DDP's steps; it does not broadcast rank 0's weights, so ranks seed alike.",
+        readme="07_sharding/README.md#pitfalls",
+        tests=("tests/test_07_sharding.py::"
+               "test_sharded_training_takes_the_steps_of_ddp_and_of_one_process[fsdp]",),
+    ),
+    Mutant(
+        id="07-resume-skips-an-epoch",
+        file="07_sharding/train.py",
+        find='self.epochs_completed = progress["epochs_completed"]',
+        replace='self.epochs_completed = progress["epochs_completed"] + 1',
+        claim="A crash and the same command again end bitwise equal to a run that never crashed.",
+        readme="07_sharding/README.md#the-sharded-checkpoint",
+        tests=("tests/test_07_sharding.py::"
+               "test_a_crash_and_a_resume_end_bitwise_equal_to_a_run_that_never_crashed",),
+    ),
+    Mutant(
+        id="07-unfinished-save-loaded",
+        file="07_sharding/train.py",
+        find='"epoch_*", ".metadata")',
+        replace='"epoch_*", "progress.json")',
+        claim="A save cut short, without .metadata, is never loaded.",
+        readme="07_sharding/README.md#the-sharded-checkpoint",
+        tests=("tests/test_07_sharding.py::"
+               "test_a_crash_and_a_resume_end_bitwise_equal_to_a_run_that_never_crashed",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="07-adam-state-not-loaded",
+        file="07_sharding/train.py",
+        find='optim_state_dict={**optimizer_state, "state": state["optimizer"]})',
+        replace="optim_state_dict=optimizer_state)",
+        claim="A checkpoint loads into another strategy and world size, Adam's state with it.",
+        readme="07_sharding/README.md#the-sharded-checkpoint",
+        tests=("tests/test_07_sharding.py::"
+               "test_zero1s_checkpoint_loads_into_ddp_on_one_rank_and_trains_on",),
+    ),
+    Mutant(
+        id="07-final-pt-holds-shards",
+        file="07_sharding/train.py",
+        find="StateDictOptions(full_state_dict=True,",
+        replace="StateDictOptions(full_state_dict=False,",
+        claim="final.pt holds the full weights, gathered from every rank's shards.",
+        readme="07_sharding/README.md#the-sharded-checkpoint",
+        tests=("tests/test_07_sharding.py::"
+               "test_every_strategy_learns_and_writes_lesson_01s_weights[fsdp]",),
+    ),
     # --- lesson 08: DDP from scratch ---
 ]
