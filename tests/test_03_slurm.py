@@ -122,16 +122,16 @@ def test_sbatch_trains_across_two_nodes(cluster, tmp_path):
     assert metrics["test_total"] == 36
     # final.pt is the trained model: scored by one plain process, it gets what the job reported.
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
-    if "ranks" in metrics:
-        ranks = metrics["ranks"]
-        assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3], ranks
-        assert {r["node_rank"] for r in ranks} == {0, 1}, ranks
-        assert sorted(r["local_rank"] for r in ranks) == [0, 0, 1, 1], ranks
-        # Each node is its own host: the two node ranks ran under two different hostnames.
-        hosts = {r["node_rank"]: {x["host"] for x in ranks if x["node_rank"] == r["node_rank"]}
-                 for r in ranks}
-        assert all(len(names) == 1 for names in hosts.values()), ranks
-        assert hosts[0] != hosts[1], ranks
+    # Every rank's numbers, gathered by the lesson (rank_table): a run without them fails here.
+    ranks = metrics["ranks"]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3], ranks
+    assert {r["node_rank"] for r in ranks} == {0, 1}, ranks
+    assert sorted(r["local_rank"] for r in ranks) == [0, 0, 1, 1], ranks
+    # Each node is its own host: the two node ranks ran under two different hostnames.
+    hosts = {r["node_rank"]: {x["host"] for x in ranks if x["node_rank"] == r["node_rank"]}
+             for r in ranks}
+    assert all(len(names) == 1 for names in hosts.values()), ranks
+    assert hosts[0] != hosts[1], ranks
 
 
 def test_failing_training_fails_the_job(cluster, tmp_path):
