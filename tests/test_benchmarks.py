@@ -289,8 +289,21 @@ def test_allreduce_bandwidth_follows_the_nccl_tests_definition(cpu_run):
     for row in rows:
         # From the median time per all-reduce.
         assert row["algbw_GBps"] == pytest.approx(row["size_bytes"] / row["seconds_per_op"] / 1e9)
-        # busbw = algbw * 2(n-1)/n, which is algbw itself with n = 2.
+        # busbw = algbw * 2(n-1)/n, which is algbw itself with n = 2 (other n: the test below).
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])
+
+
+@pytest.mark.parametrize("world_size, factor", [(1, None), (2, 1), (3, 4 / 3), (4, 3 / 2)],
+                         ids=["1-rank", "2-ranks", "3-ranks", "4-ranks"])
+def test_bus_bandwidth_is_algbw_times_2_n_minus_1_over_n(world_size, factor):
+    # The function that makes each all-reduce row, given repeats of 4 all-reduces of 1 MB each:
+    # at 3 and 4 ranks, where a factor of 1 (what the run above can show) would be wrong.
+    case = {"case": "allreduce", "world_size": world_size, "size_bytes": 10**6, "iters": 4}
+    row = import_script().summarise(case, [0.008, 0.004, 0.012], [0, 1, 2], held=None,
+                                    processes=world_size)
+    assert row["seconds_per_op"] == pytest.approx(0.002)  # the median repeat, per all-reduce
+    assert row["algbw_GBps"] == pytest.approx(0.5)  # 1 MB in 2 ms
+    assert row["busbw_GBps"] == (None if factor is None else pytest.approx(0.5 * factor))
 
 
 def test_progress_and_table_are_printed(cpu_run):
