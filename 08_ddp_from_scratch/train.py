@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import socket
 import time
@@ -155,7 +156,7 @@ class WineMLP(nn.Module):
     checkpoint keys of every lesson, so any lesson's final.pt loads into this class.
 
     layers > 1 puts hidden x hidden layers between fc1 and fc2: with --hidden 1024 --layers 4,
-    12 MB of gradients, enough for buckets and overlap to matter."""
+    12.1 MiB of gradients, enough for buckets and overlap to matter."""
 
     def __init__(self, in_features=13, hidden=64, classes=3, layers=1):
         super().__init__()
@@ -177,22 +178,35 @@ GRAD_SYNC = ("after-backward", "flat", "overlap", "buckets", "ddp", "none")
 
 
 def plan_buckets(model, bucket_mb):
-    """The parameters that need gradients, as (name, parameter) pairs, grouped in buckets, in
-    the reverse of the order the model registers them: the order in which backward produces
-    their gradients, in a model that uses its layers in the order it defines them."""
+    """(name, parameter) pairs in buckets, in the order backward produces the gradients in a
+    model that uses its layers in the order it registers them: the reverse. As DDP's (c10d's
+    compute_bucket_assignment_by_size), a bucket holds one dtype on one device and closes once
+    it holds the cap or more, the parameter that crosses it included."""
     cap = bucket_mb * 1024 * 1024
-    buckets, bucket, size = [], [], 0
+    buckets, open_buckets = [], {}  # the bucket still filling, for each (dtype, device)
     for name, param in reversed(list(model.named_parameters())):
         if not param.requires_grad:
             continue
-        bucket.append((name, param))
-        size += param.numel() * param.element_size()
-        # DDP's rule (compute_bucket_assignment_by_size in c10d's reducer.cpp): a bucket closes
-        # once it holds the cap or more, so the parameter that crosses it still goes in.
-        if size >= cap:
-            buckets.append(bucket)
-            bucket, size = [], 0
-    return buckets + [bucket] if bucket else buckets
+        key = (param.dtype, param.device)
+        if key not in open_buckets:
+            open_buckets[key] = []
+            buckets.append(open_buckets[key])  # in the order of their first gradients
+        open_buckets[key].append((name, param))
+        if sum(p.numel() * p.element_size() for _, p in open_buckets[key]) >= cap:
+            del open_buckets[key]
+    return buckets
+
+
+def broadcast_from_rank_0(model):
+    """Rank 0's weights and buffers to every rank, as DDP's constructor does (_sync_module_states
+    in torch/distributed/utils.py): the seed makes them equal only if every rank builds the
+    model alike. As DDP's _broadcast_coalesced, one flat copy per dtype, not one per tensor."""
+    states = list(model.state_dict().values())
+    for dtype in dict.fromkeys(tensor.dtype for tensor in states):  # the same order everywhere
+        tensors = [tensor for tensor in states if tensor.dtype == dtype]
+        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
+        dist.broadcast(flat, src=0)
+        copy_back(flat, tensors)
 
 
 def copy_back(flat, tensors):
@@ -200,6 +214,95 @@ def copy_back(flat, tensors):
     pieces = flat.split([tensor.numel() for tensor in tensors])
     for tensor, piece in zip(tensors, pieces, strict=True):
         tensor.copy_(piece.view_as(tensor))
+
+
+def grad_or_zeros(param):
+    """param.grad, or zeros if this rank's backward gave it none (a layer it did not use): every
+    rank sends every gradient, where one that skipped one would pair its all-reduces with other
+    tensors (a hang, or a wrong sum). As DDP's find_unused_parameters=True, zeros in the mean."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+class AfterBackward:
+    """An all-reduce per gradient, once backward has produced them all."""
+
+    def __init__(self, model):
+        self.params = [param for param in model.parameters() if param.requires_grad]
+
+    def finish(self):
+        for param in self.params:
+            grad = grad_or_zeros(param)
+            # The mean: times 1/N before the sum, as DDP (mark_variable_ready_dense), so that the
+            # sum cannot pass fp16's 65,504 where the mean does not; gloo's ReduceOp.AVG sums first.
+            grad *= 1 / dist.get_world_size()
+            dist.all_reduce(grad)  # the sum over the ranks, in place
+        return len(self.params)
+
+
+class Flat:
+    """One all-reduce of every gradient copied into one buffer (one per dtype and device)."""
+
+    def __init__(self, model):
+        self.groups = plan_buckets(model, bucket_mb=math.inf)
+
+    def finish(self):
+        for group in self.groups:
+            # One all-reduce, not one per gradient: each pays a fixed cost (a round of messages).
+            grads = [grad_or_zeros(param) for _, param in group]
+            flat = torch.cat([grad.reshape(-1) for grad in grads]) * (1 / dist.get_world_size())
+            dist.all_reduce(flat)
+            copy_back(flat, grads)
+        return len(self.groups)
+
+
+class Buckets:
+    """Gradients in buckets, each all-reduced the moment its last gradient is ready, strictly
+    in order: what DDP's reducer does. bucket_mb=0, a bucket per gradient, is overlap."""
+
+    def __init__(self, model, bucket_mb):
+        self.buckets, self.flats, self.slots = plan_buckets(model, bucket_mb), [], {}
+        for bucket in self.buckets:  # a flat buffer per bucket; each parameter's slice of it
+            sizes = [param.numel() for _, param in bucket]
+            flat = torch.empty(sum(sizes), dtype=bucket[0][1].dtype, device=bucket[0][1].device)
+            for (name, param), piece in zip(bucket, flat.split(sizes), strict=True):
+                self.slots[param] = (name, piece.view_as(param))
+                param.register_post_accumulate_grad_hook(self.hook)  # once .grad is complete
+            self.flats.append(flat)
+        self.ready, self.works = set(), []  # works: the all-reduces started, each a handle
+
+    def hook(self, param):
+        name, slot = self.slots[param]
+        if param in self.ready:  # a second backward would add to a gradient already sent
+            fail(f"{name}'s gradient hook fired twice before finish(): call finish() after "
+                 "every backward, or accumulate with --grad-sync after-backward or flat")
+        self.ready.add(param)
+        # Times 1/N while it is copied in, as DDP does: one pass, and before the sum.
+        torch.mul(param.grad, 1 / dist.get_world_size(), out=slot)
+        # Strictly in order, as DDP's: a bucket waiting for a gradient, late or missing on
+        # this rank, holds back the later ones, so every rank starts them in the same order.
+        while (len(self.works) < len(self.buckets)
+               and all(p in self.ready for _, p in self.buckets[len(self.works)])):
+            self.launch()  # the bucket's last gradient: send it while backward goes on
+
+    def launch(self):
+        for _, param in self.buckets[len(self.works)]:
+            if param not in self.ready:  # no gradient on this rank: zeros (grad_or_zeros)
+                self.slots[param][1].zero_()
+        # async_op=True returns at once with a handle; backward goes on with the layers below.
+        self.works.append(dist.all_reduce(self.flats[len(self.works)], async_op=True))
+
+    def finish(self):
+        while len(self.works) < len(self.buckets):  # held back by a gradient this rank lacks
+            self.launch()
+        # Bucket by bucket, as DDP's finalize_backward: the first's copies run as later travel.
+        for work, bucket in zip(self.works, self.buckets, strict=True):
+            work.wait()  # gloo: until it is done; NCCL: the current stream waits for it (README)
+            for _, param in bucket:  # the mean, where the optimizer reads it
+                grad_or_zeros(param).copy_(self.slots[param][1])
+        count, self.ready, self.works = len(self.works), set(), []
+        return count
 
 
 def make_grad_sync(model, mode, bucket_mb):
@@ -212,103 +315,12 @@ def make_grad_sync(model, mode, bucket_mb):
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=bucket_mb)
         return model, lambda: None
-    # Every rank starts from rank 0's weights and buffers, as DDP's constructor makes sure
-    # (_sync_module_states in torch/distributed/utils.py): the seed gives every rank the same
-    # weights only if every rank builds the model the same way. Like DDP's _broadcast_coalesced,
-    # one broadcast of a flat copy per dtype, not one per tensor.
-    states = list(model.state_dict().values())
-    for dtype in dict.fromkeys(tensor.dtype for tensor in states):  # the same order everywhere
-        tensors = [tensor for tensor in states if tensor.dtype == dtype]
-        flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
-        dist.broadcast(flat, src=0)
-        copy_back(flat, tensors)
-    world_size = dist.get_world_size()
-    params = [param for param in model.parameters() if param.requires_grad]
-
+    broadcast_from_rank_0(model)
     if mode == "none":
         return model, lambda: 0  # the control: every rank steps with its own gradients
-
-    if mode == "after-backward":
-        def finish():
-            for param in params:
-                dist.all_reduce(param.grad)  # the sum over the ranks, in place
-                # The mean: gloo has no ReduceOp.AVG (only NCCL does), so divide here.
-                param.grad /= world_size
-            return len(params)
-        return model, finish
-
-    if mode == "flat":
-        def finish():
-            grads = [param.grad for param in params]
-            # One all-reduce of one long buffer instead of one per gradient: each all-reduce
-            # pays a fixed cost (a round of messages between the ranks), so fewer is cheaper.
-            flat = torch.cat([grad.reshape(-1) for grad in grads])
-            dist.all_reduce(flat)
-            flat /= world_size
-            copy_back(flat, grads)
-            return 1
-        return model, finish
-
-    # overlap and buckets: all-reduces started during backward, by a hook that autograd calls
-    # the moment a parameter's .grad is complete. Every rank runs the same backward, so the
-    # hooks fire in the same order on every rank and the ranks start the same all-reduces in
-    # the same order, as collectives must.
-    if mode == "overlap":
-        works = []  # the all-reduces in flight: async_op=True returns at once with a handle
-
-        def launch(param):
-            works.append(dist.all_reduce(param.grad, async_op=True))
-
-        def finish():
-            for work in works:
-                # Blocks until the all-reduce is done (gloo); with NCCL it makes the current CUDA
-                # stream wait for it instead, so the work queued after it reads the sum
-                # (torch.distributed docs: "Synchronous and asynchronous collective operations").
-                work.wait()
-            for param in params:
-                param.grad /= world_size
-            count = len(works)
-            works.clear()
-            return count
-    else:  # buckets: what DDP's reducer does
-        buckets = plan_buckets(model, bucket_mb)
-        flats, slots = [], {}  # a flat buffer per bucket; each parameter's slice of its bucket
-        for i, bucket in enumerate(buckets):
-            flat = torch.empty(sum(p.numel() for _, p in bucket), dtype=bucket[0][1].dtype,
-                               device=bucket[0][1].device)
-            offset = 0
-            for _, param in bucket:
-                slots[param] = (i, flat[offset:offset + param.numel()].view_as(param))
-                offset += param.numel()
-            flats.append(flat)
-        pending = [len(bucket) for bucket in buckets]  # gradients each bucket still waits for
-        works = [None] * len(buckets)
-
-        def launch(param):
-            i, slot = slots[param]
-            # Divided while it is copied in, as DDP does (mark_variable_ready_dense in
-            # reducer.cpp): one pass over the gradient instead of two.
-            torch.mul(param.grad, 1 / world_size, out=slot)
-            pending[i] -= 1
-            if pending[i] == 0:  # the bucket's last gradient: send it while backward goes on
-                works[i] = dist.all_reduce(flats[i], async_op=True)
-
-        def finish():
-            if any(pending):  # DDP's find_unused_parameters=True handles this; we do not
-                raise RuntimeError("a parameter got no gradient in this step, so its bucket "
-                                   "was never all-reduced")
-            # Bucket by bucket, as DDP's reducer finishes (finalize_backward): the first
-            # bucket's copies run while the later ones are still on their way.
-            for i, bucket in enumerate(buckets):
-                works[i].wait()
-                for _, param in bucket:  # the averaged gradient, where the optimizer reads it
-                    param.grad.copy_(slots[param][1])
-                pending[i] = len(bucket)
-            return len(buckets)
-
-    for param in params:
-        param.register_post_accumulate_grad_hook(launch)
-    return model, finish
+    if mode in ("after-backward", "flat"):
+        return model, (AfterBackward if mode == "after-backward" else Flat)(model).finish
+    return model, Buckets(model, bucket_mb=0 if mode == "overlap" else bucket_mb).finish
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
 """Run lesson 08 once for every --grad-sync mode, all of them on the same ranks, for its tests.
 
     python tests/every_grad_sync.py OUT_DIR NAME [lesson 08 flags...] [:: NAME [flags...] ...]
+    python tests/every_grad_sync.py OUT_DIR NAME [flags...] :: cases   # then grad_sync_cases.py
 
 Six lesson runs would pay the ranks' start-up (torch, scikit-learn, the process group) six times.
 Here mp.spawn starts the ranks once and each joins the process group once; then, for every group
 of flags and every mode in lesson.GRAD_SYNC, each rank calls the lesson's own main(), which
 writes into OUT_DIR/NAME/<mode>/ what `train.py --grad-sync <mode>` with those flags writes.
 Every group must ask for the same --world-size. Rank 0 prints "== NAME <mode>" before each run.
+A group named "cases", without flags, runs tests/grad_sync_cases.py's models on the same ranks
+(2 of them) instead, into OUT_DIR/cases.json.
 
 Two things a lesson run does not show, for the tests:
 - before each mode's make_grad_sync, every rank but 0 adds its rank to its initial weights, as if
@@ -24,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import grad_sync_cases
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -53,6 +57,9 @@ def run_every_mode(rank, groups, out_dir):
         device = lesson.setup_process_group(rank, first.world_size, first.backend, first.timeout)
         lesson.setup_process_group = lambda *_: device  # joined once, above
         for name, args in groups:
+            if name == "cases":
+                grad_sync_cases.run_cases(lesson, rank, out_dir)
+                continue
             initial, ddp = {}, {}
 
             def make_grad_sync(model, mode, bucket_mb, initial=initial, ddp=ddp):
@@ -73,10 +80,7 @@ def run_every_mode(rank, groups, out_dir):
                     print(f"== {name} {mode}", flush=True)
                 lesson.main(rank, run)
                 if mode == "ddp":
-                    data = ddp["model"]._get_ddp_logging_data()
-                    names = [n for n, _ in ddp["model"].module.named_parameters()]
-                    buckets = [[names[int(i)] for i in bucket.split()] for bucket in
-                               data["rebuilt_per_bucket_param_indices"].split(",")]
+                    buckets = grad_sync_cases.ddp_buckets(ddp["model"])
             if rank == 0:
                 (out_dir / name / "initial_weights.json").write_text(json.dumps(initial))
                 (out_dir / name / "ddp" / "ddp_buckets.json").write_text(json.dumps(buckets))
@@ -88,14 +92,17 @@ def main():
     for word in sys.argv[2:]:
         words.append([]) if word == "::" else words[-1].append(word)
     for name, *flags in words:
+        if name == "cases":
+            groups.append((name, None))
+            continue
         args = lesson.parse_args(flags)
         args.start_time = time.time()
         args.backend = lesson.choose_backend(args.backend, args.world_size)
         groups.append((name, args))
         for mode in lesson.GRAD_SYNC:
             (out_dir / name / mode).mkdir(parents=True, exist_ok=True)
-    if len({args.world_size for _, args in groups}) != 1:
-        sys.exit("error: every group of flags needs the same --world-size")
+    if len({args.world_size if args else 2 for _, args in groups}) != 1:
+        sys.exit("error: every group of flags needs the same --world-size (2 with cases)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(lesson.find_free_port()))
     with lesson.spawn_guard("rank"):

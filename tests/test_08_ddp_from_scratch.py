@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from helpers import (
     GPUS,
@@ -20,6 +22,7 @@ from helpers import (
     ROOT,
     assert_good_run,
     assert_one_line_error,
+    check_ok,
     evaluate_single_process,
     import_lesson,
     lesson02_run,
@@ -34,12 +37,14 @@ CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
 HOME_MADE = ["after-backward", "flat", "overlap", "buckets"]
 MODES = [*HOME_MADE, "ddp", "none"]
 # The wine MLP with lesson 02's flags for 2 ranks (LESSON02_RUNS): batch 16 per rank; its four
-# tensors make one bucket. With 2 ranks, a profile of step 2, after DDP has rebuilt its buckets.
+# tensors make one bucket. With 2 ranks, a profile of step 2, after DDP has rebuilt its buckets
+# (as it does without find_unused_parameters).
 WINE = [*CPU, "--batch-size", 16]
 PROFILE = ["--profile-step", 2]
 # A larger model, 12,664,844 bytes of gradients: 4 buckets of 1 MiB (the README's arithmetic).
-LARGE = [*CPU, "--batch-size", 16, "--hidden", 1024, "--layers", 4, "--bucket-mb", 1,
-         "--lr", 0.001, "--epochs", 1, "--profile-step", 3]
+LARGE_MODEL = ["--batch-size", 16, "--hidden", 1024, "--layers", 4, "--bucket-mb", 1,
+               "--lr", 0.001, "--epochs", 1, "--profile-step", 3]
+LARGE = [*CPU, *LARGE_MODEL]
 LARGE_TENSORS, LARGE_BUCKETS = 10, 4
 # With 3 ranks gloo adds three numbers per element, in an order that depends on where the element
 # sits in the buffer, and DDP divides by 3 before the sum where the others divide after: the modes
@@ -64,14 +69,15 @@ def run_every_mode(out_dir, *groups, env=NO_GPUS):
 @pytest.fixture(scope="module")
 def every_mode(tmp_path_factory):
     """{world size: folder}: folder/<group>/<mode>/ holds that mode's run. 2 ranks: the wine
-    MLP and the larger model, each with a profile of one step; 1 and 3 ranks: the wine MLP."""
+    MLP and the larger model, each with a profile of one step, and folder/cases.json, the
+    models of tests/grad_sync_cases.py; 1 and 3 ranks: the wine MLP."""
     runs = {}
     for world_size in (1, 2, 3):
         out_dir = tmp_path_factory.mktemp(f"lesson08_{world_size}_ranks")
         profile = PROFILE if world_size == 2 else []  # the tests read the profiles of 2 ranks
         groups = [("wine", [*WINE, *profile, "--world-size", world_size])]
         if world_size == 2:
-            groups.append(("large", [*LARGE, "--world-size", world_size]))
+            groups += [("large", [*LARGE, "--world-size", world_size]), ("cases", [])]
         run_every_mode(out_dir, *groups)
         runs[world_size] = out_dir
     return runs
@@ -225,6 +231,76 @@ def test_overlap_is_shown_in_the_profile(every_mode):
 
 
 # ---------------------------------------------------------------------------------------------
+# Models unlike the wine MLP (tests/grad_sync_cases.py): safe to copy, or stopped in one line
+# ---------------------------------------------------------------------------------------------
+def cases(every_mode, case):
+    return json.loads((every_mode[2] / "cases.json").read_text())[case]
+
+
+def test_buckets_never_mix_dtypes_as_ddps_never_do():
+    # DDP's own planner, on the parameters in the order backward produces their gradients:
+    # it keys its buckets by dtype and device and, given no order of its own, sorts them by
+    # their first parameter. A bfloat16 layer among float32 ones, under caps that close none,
+    # some and every bucket.
+    lesson = import_lesson(LESSON)
+    model = lesson.WineMLP(hidden=32, layers=4)
+    model.hidden[1].to(torch.bfloat16)
+    named = list(reversed(list(model.named_parameters())))
+    for bucket_mb in (25, 0.004, 1e-6):
+        plan = [[name for name, _ in bucket] for bucket in lesson.plan_buckets(model, bucket_mb)]
+        ddps, _ = dist._compute_bucket_assignment_by_size(
+            [param for _, param in named], [int(bucket_mb * 1024 * 1024)], [False] * len(named))
+        assert plan == [[named[i][0] for i in bucket] for bucket in ddps], bucket_mb
+    assert lesson.plan_buckets(model, 25)[1] == [("hidden.1.bias", model.hidden[1].bias),
+                                                 ("hidden.1.weight", model.hidden[1].weight)]
+
+
+def test_a_bfloat16_layer_ends_on_ddps_weights(every_mode):
+    # A float32 layer, then a bfloat16 one, whose gradients backward produces first: in one
+    # bucket of bfloat16, the float32 gradients would lose 16 bits of precision.
+    results = cases(every_mode, "dtypes")
+    # DDP's buckets after its rebuild, in another order: DDP lists the buckets still open when
+    # its planner ends in the order of a hash map's keys (compute_bucket_assignment_by_size),
+    # the lesson in the order of their first gradients.
+    assert results["plan"] == [["fc2.bias", "fc2.weight"], ["fc1.bias", "fc1.weight"]]
+    assert sorted(results["plan"]) == sorted(results["ddp"]["buckets"])
+    for mode in HOME_MADE:
+        assert results[mode]["difference"] == 0, mode
+    assert (results["flat"]["all_reduces"], results["buckets"]["all_reduces"]) == (2, 2)
+
+
+def test_parameters_without_gradients_are_zeros_on_every_rank(every_mode):
+    # Rank 0 skips layer a, rank 1 layer b, no rank uses layer never; one layer per bucket. Every
+    # mode sends every gradient, zeros for the missing, in one order on both ranks, and ends on
+    # the weights of DDP with find_unused_parameters=True (the test's time limit bounds a hang).
+    results = cases(every_mode, "unused")
+    for mode in HOME_MADE:
+        assert (results[mode]["difference"], results[mode]["error"]) == (0, None), mode
+    assert [results[mode]["all_reduces"] for mode in HOME_MADE] == [8, 1, 8, 4]
+
+
+def test_gradients_are_divided_before_the_sum(every_mode):
+    # Each rank's float16 gradient is 40,000: summed first, 80,000 is past fp16's 65,504 (inf);
+    # divided first, as DDP does, the mean is 40,000 in every mode.
+    results = cases(every_mode, "fp16")
+    assert results["ddp"]["finite"]
+    for mode in HOME_MADE:
+        assert results[mode]["difference"] == 0, mode
+
+
+def test_a_second_backward_before_finish(every_mode):
+    # after-backward and flat read the gradients once, in finish(): two backwards accumulate,
+    # as under DDP's no_sync. overlap and buckets send them during backward: stopped in a line.
+    results = cases(every_mode, "twice")
+    for mode in ("after-backward", "flat"):
+        assert (results[mode]["difference"], results[mode]["error"]) == (0, None), mode
+    for mode in ("overlap", "buckets"):
+        assert results[mode]["error"].startswith(
+            "error: fc2.bias's gradient hook fired twice before finish(): call finish() after "
+            "every backward"), mode
+
+
+# ---------------------------------------------------------------------------------------------
 # Flags that cannot work
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, fragment", [
@@ -248,14 +324,50 @@ def test_bad_input_stops_before_any_rank_starts(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # The GPU tier: NCCL, one GPU per rank
 # ---------------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU; none is visible here")
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine has {GPUS}")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU; none is visible here")
-def test_gpu_every_mode_ends_on_ddps_weights(tmp_path):
-    # NCCL: the all-reduces run on NCCL's stream, and work.wait() makes the current stream wait.
+@needs_gpu
+def test_gpu_default_run_is_a_rank_per_gpu_and_saves_for_the_cpu(lesson_run):
+    result, out_dir = lesson_run(LESSON)
+    metrics = assert_good_run(result, out_dir, world_size=GPUS)
+    assert (metrics["backend"], metrics["device"], metrics["grad_sync"]) == (
+        "nccl", "cuda", "buckets")
+    # final.pt holds CPU tensors: it loads without map_location on a machine without a GPU.
+    saved = torch.load(out_dir / "final.pt", weights_only=True)
+    assert {tensor.device.type for tensor in saved.values()} == {"cpu"}
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_larger_model_launches_its_buckets_during_backward(tmp_path):
+    # The larger model's 4 buckets of 1 MiB on one GPU per rank (1 or 2 of them), with a
+    # profile of step 3. With CUDA, autograd runs backward, and the hooks, on a thread of its
+    # own, so every Backward0 node counts here, whatever its thread.
     world_size = min(GPUS, 2)
-    run_every_mode(tmp_path, ("wine", ["--backend", "nccl", "--world-size", world_size,
+    result = check_ok(run_lesson(LESSON, *LARGE_MODEL, "--backend", "nccl", "--world-size",
+                                 world_size, "--out-dir", tmp_path))
+    assert f"gradient all-reduces per step: {LARGE_BUCKETS}" in result.stdout
+    for rank in range(world_size):
+        trace = json.loads((tmp_path / f"trace_rank{rank}.json").read_text())
+        events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        gradients = sorted(e["ts"] for e in events if e["name"].endswith("Backward0"))
+        launches = sorted(e["ts"] for e in events if e["name"] == LAUNCH)
+        assert len(launches) == LARGE_BUCKETS, rank
+        assert launches[0] < gradients[-1], rank  # the first bucket leaves during backward
+
+
+@pytest.mark.gpu
+@needs_gpu
+@needs_two
+def test_gpu_every_mode_ends_on_ddps_weights_bitwise(tmp_path):
+    # NCCL: the all-reduces run on NCCL's stream, and work.wait() makes the current stream
+    # wait. Two ranks add a/2 + b/2, exact in any order, as DDP does: the same bits.
+    run_every_mode(tmp_path, ("wine", ["--backend", "nccl", "--world-size", 2,
                                        "--batch-size", 16]), env={})
     for mode in HOME_MADE:
-        assert max_weight_difference(tmp_path / "wine" / mode, tmp_path / "wine" / "ddp") < 1e-5
-    if world_size > 1:  # the control: with one GPU there is nothing to synchronise
-        assert max_weight_difference(tmp_path / "wine" / "none", tmp_path / "wine" / "ddp") > 1e-2
+        assert max_weight_difference(tmp_path / "wine" / mode, tmp_path / "wine" / "ddp") == 0
+    assert max_weight_difference(tmp_path / "wine" / "none", tmp_path / "wine" / "ddp") > 1e-2
