@@ -403,7 +403,8 @@ def test_a_group_of_the_benchmark_waits_no_longer_than_its_timeout():
                             capture_output=True, text=True, timeout=120)
     assert "exit codes [0, 0]" in result.stdout, result.stdout + result.stderr
     waited = re.search(r"gave up after ([\d.]+) s: .*Timed out", result.stdout)
-    assert waited and float(waited.group(1)) < 5, result.stdout
+    # An order, not a threshold: the group's own 1 s ran out, before the launch's 20 s could.
+    assert waited and 1 <= float(waited.group(1)) < 20, result.stdout
 
 
 @pytest.mark.parametrize("failed, backend, call", [

@@ -167,7 +167,9 @@ def test_slow_rank_zero_times_out_the_others():
     assert "symptom: rank 0 evaluates for 3 s; rank 1 waits for it in the next all_reduce" in out
     assert "symptom: with a barrier after the evaluation, rank 1 times out in the barrier" in out
     # Both fixes run the same evaluation and nobody gives up: split between the ranks, under
-    # the same timeout; and alone on rank 0, under a timeout longer than the evaluation.
+    # the same timeout; and alone on rank 0, under a timeout longer than the evaluation. The
+    # demo's margins are wall-clock (fix 1: 0.5 s, fix 2: 2 s), which hold on a machine running
+    # the suite's two workers and nothing else.
     assert out.count("gave up") == 4, out
     assert re.search(r"fix 1: each rank evaluates half \(1\.5 s\), then all_reduce: they waited "
                      r"[01]\.\d and [01]\.\d s, within the same 2 s timeout", out), out
@@ -197,6 +199,6 @@ def test_every_rank_downloading_reads_a_half_written_file():
     assert "rank 0 read 1000 samples" in out  # the rank that wrote it reads it whole
     assert "symptom: rank 1 found the file that rank 0 was still writing (10 of 20 chunks)" in out
     # Rank 0 alone downloads, to a temporary name; rank 1 waits at the barrier; both read it all.
-    assert re.search(r"rank 1: 1000 samples, after \d\.\d s waiting at dist\.barrier\(\)", out)
+    assert re.search(r"rank 1: 1000 samples, after \d+\.\d s waiting at dist\.barrier\(\)", out)
     assert "fix: rank 0 downloaded to once.pt.tmp and renamed it; rank 1 waited at the barrier; " \
         "both read the same 1000 samples" in out
