@@ -217,9 +217,9 @@ def copy_back(flat, tensors):
 
 
 def grad_or_zeros(param):
-    """param.grad, or zeros if this rank's backward gave it none (a layer it did not use): every
-    rank sends every gradient, where one that skipped one would pair its all-reduces with other
-    tensors (a hang, or a wrong sum). As DDP's find_unused_parameters=True, zeros in the mean."""
+    """param.grad, or zeros if this rank's backward gave it none (a layer it did not use): a rank
+    that skipped it would pair its later all-reduces with other tensors (a hang, or a wrong
+    sum). The zeros count in the mean, as with DDP's find_unused_parameters=True."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad
