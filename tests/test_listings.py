@@ -91,6 +91,7 @@ def test_not_run_marker_skips_a_block_and_needs_a_reason(tmp_path):
         false
         ```
 
+        <!-- output: illustrative (a text block never runs) -->
         ```text
         false
         ```
@@ -105,6 +106,51 @@ def test_not_run_marker_skips_a_block_and_needs_a_reason(tmp_path):
     assert result.returncode == 1
     assert "README.md:1  ERROR" in result.stdout
     assert lines_of(result, "FAIL") == []  # the block is still not run
+
+
+SHOWN = """\
+    ```bash
+    printf 'step 1: loss 0.75 (3.2 s)\\nstep 2: loss 0.50 (2.9 s)\\ndone\\n'   # three lines
+    echo "difference: 0.0"
+    echo "the last"
+    ```
+
+    <!-- output of `three lines`: exact lines -->
+    ```text
+    step 1: loss 0.75 (… s)
+    ...
+    done
+    ```
+
+    <!-- output of `echo`: exact lines -->
+    ```text
+    difference: 0.0
+    ```
+
+    <!-- output: exact lines -->
+    ```text
+    the last
+    ```
+    """
+
+
+def test_shown_output_with_its_marks_for_what_varies_passes(tmp_path):
+    result = check(tmp_path, SHOWN)
+    assert result.returncode == 0, result.stdout
+    assert lines_of(result, "ok") == ["README.md:2", "README.md:3", "README.md:4"]
+
+
+def test_shown_output_that_differs_from_the_printed_fails(tmp_path):
+    for n, (shown, wrong) in enumerate([("difference: 0.0", "difference: 0.1"),
+                                        ("loss 0.75 (… s)", "loss 0.74 (… s)"),
+                                        ("...\n    done", "done")]):
+        result = check(tmp_path / str(n), SHOWN.replace(shown, wrong, 1))
+        assert result.returncode == 1, result.stdout
+        assert len(lines_of(result, "FAIL")) == 1, result.stdout
+        assert "is not what it printed" in result.stdout
+    result = check(tmp_path / "unmarked", SHOWN.replace("<!-- output: exact lines -->", ""))
+    assert result.returncode == 1
+    assert "README.md:20  ERROR  a ```text block has" in result.stdout
 
 
 def test_state_carries_across_blocks_of_one_file(tmp_path):

@@ -12,6 +12,19 @@ and INSTRUCTORS.md. The conventions a README author follows, which this check en
   the copy's root, and all blocks of one file run in one bash process, so an `export` or a `cd`
   carries on to the blocks below it. Whatever a command writes (runs/...) stays in the copy.
   ```text and ```console blocks are output samples and never run.
+- Every ```text (or ```console) block says, in the line right before its opening fence, whether
+  it is checked:
+
+      <!-- output: exact lines -->
+      <!-- output of `--node-rank 1`: exact lines -->
+      <!-- output: illustrative (from a machine with 4 GPUs) -->
+
+  "exact lines": the output of the last command of the latest ```bash block above it that
+  runs, or of that block's first command that shows the text in backquotes (in its code or its
+  comment), must hold the block's lines, each in turn and one right after the other; a line
+  that is only `...` stands for any number of lines, and `…` within a line for any text (a
+  time, a port, a path).
+  "illustrative": not compared, for the reason in the parentheses.
 - A block that cannot run on a single CPU-only machine (it needs GPUs, two machines, a Slurm
   cluster) has this line right before its opening fence, with the reason in the parentheses:
 
@@ -69,6 +82,11 @@ ROOT = Path(__file__).resolve().parent.parent
 OPEN_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^\s`]*)")
 MARKER = re.compile(r"<!--\s*listing\b")
 NOT_RUN = re.compile(r"^\s*<!--\s*listing:\s*not run\s*\((.*)\)\s*-->\s*$")
+OUTPUT_MARKER = re.compile(r"<!--\s*output\b")
+OUTPUT = re.compile(r"^\s*<!--\s*output(?:\s+of\s+`([^`]+)`)?:\s*"
+                    r"(?:(exact lines)|illustrative\s*\((.*)\))\s*-->\s*$")
+OUTPUT_FORMS = ("`<!-- output: exact lines -->` (or `<!-- output of `text of the command`: exact "
+                "lines -->`) or `<!-- output: illustrative (the reason) -->`")
 HEREDOC = re.compile(r"<<(-?)[ \t]*(?:'([^']*)'|\"([^\"]*)\"|\\?([\w.-]+))")
 # python, python3, python3.12 or torchrun (or `python -m torch.distributed.run`) starting a
 # numbered lesson's train.py, within one simple command.
@@ -101,6 +119,7 @@ class Command:
     code: str  # its lines without comments or here-document bodies, continuations joined
     comment: str  # its trailing comment, without the #
     background: bool
+    expected: list = field(default_factory=list)  # (line, lines) of the text blocks it prints
 
     @property
     def where(self):
@@ -229,10 +248,16 @@ def parse(path, text):
     listing = Listing(path)
     lines = text.splitlines()
     marked = set()  # the line numbers of fences right after a marker, good or not
+    outputs = {}  # the line number of a fence right after an output marker: that marker
+    last_block = []  # the commands of the latest ```bash block that runs
     i = 0
     while i < len(lines):
         line = lines[i]
         fence = OPEN_FENCE.match(line)
+        if line.lstrip().startswith("<!--") and OUTPUT_MARKER.search(line):
+            outputs[i + 2] = line
+            i += 1
+            continue
         if line.lstrip().startswith("<!--") and MARKER.search(line):
             marker = NOT_RUN.match(line)
             following = OPEN_FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
@@ -261,6 +286,8 @@ def parse(path, text):
             i += 1
         start = i - len(body) + 1  # the line number of the block's first line
         i += 1
+        if language in ("text", "console"):
+            expect_output(listing, start - 1, body, outputs.pop(start - 1, None), last_block)
         if language == "bash" and start - 1 not in marked:
             before = len(listing.commands)
             split_commands(path, body, start, listing)
@@ -271,7 +298,32 @@ def parse(path, text):
                         "check sends nothing off this one; mark its block not run")))
             listing.commands[before:] = [c for c in listing.commands[before:]
                                          if not elsewhere(c.code)]
+            last_block = listing.commands[before:]
+    for line in outputs:
+        listing.errors.append((line - 1, "an output marker is the line right before a ```text "
+                               "fence"))
     return listing
+
+
+def expect_output(listing, fence, body, marker, last_block):
+    """Give the text block at line fence to the command whose output it shows, if it is exact."""
+    match = OUTPUT.match(marker or "")
+    if not match:
+        where, problem = (fence - 1, "an output marker reads") if marker else (
+            fence, "a ```text block has, right before it,")
+        listing.errors.append((where, f"{problem} {OUTPUT_FORMS}"))
+        return
+    fragment, exact, reason = match.groups()
+    if not exact:
+        if not reason.strip():
+            listing.errors.append((fence - 1, "an illustrative output names its reason"))
+        return
+    shown = [c for c in last_block if fragment in c.shown] if fragment else last_block[-1:]
+    if not shown:
+        listing.errors.append((fence, f"no command of the ```bash block above shows `{fragment}`"
+                               if fragment else "exact lines, but no ```bash block above runs"))
+        return
+    shown[0].expected.append((fence + 1, body))
 
 
 def elsewhere(code):
@@ -376,6 +428,47 @@ def read_end(path):
 
 
 def judge(result):
+    """Why the command failed, or "" when it did what its line says and printed what the
+    README shows it print."""
+    problem = exit_problem(result)
+    for line, shown in result.command.expected if not problem else []:
+        missing = first_missing(result.output, shown)
+        if missing is not None:
+            problem = (f"the output shown at line {line} is not what it printed: no "
+                       f"{missing!r} where the lines before it put it")
+    return problem
+
+
+def first_missing(output, shown):
+    """None if output holds the shown lines (see the docstring: `...`, `…`), else the first
+    shown line that it lacks."""
+    printed = [line.rstrip() for line in output.splitlines()]
+    runs = [[]]  # the shown lines between `...` lines, each run one right after the other
+    for line in shown:
+        if line.strip() in ("...", "…"):
+            runs.append([])
+        else:
+            runs[-1].append(line.rstrip())
+    position = 0
+    for run in filter(None, runs):
+        patterns = [re.compile(".*".join(map(re.escape, line.split("…")))) for line in run]
+        best, where = 0, position  # the most lines of the run matched in a row, and where
+        for start in range(position, len(printed)):
+            matched = 0
+            while (matched < len(run) and start + matched < len(printed)
+                   and patterns[matched].fullmatch(printed[start + matched])):
+                matched += 1
+            if matched > best:
+                best, where = matched, start
+            if matched == len(run):
+                break
+        if best < len(run):
+            return run[best]
+        position = where + len(run)
+    return None
+
+
+def exit_problem(result):
     """Why the command failed, or "" when it did what its line says."""
     command, rc, output = result.command, result.returncode, result.output
     if result.hung:
