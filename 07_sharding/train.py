@@ -231,8 +231,8 @@ def shard_model(model, strategy, device):
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     # Each call makes one unit: its parameters are cut along dim 0, one slice (a DTensor) per
     # rank. In forward and backward a unit is all-gathered whole, used and freed, and its
-    # gradients reduce-scattered: one layer is whole at a time, never the model. FSDP does not
-    # broadcast rank 0's weights as DDP does: each rank cuts its slice from the model it built.
+    # gradients reduce-scattered: a layer at a time, and in backward the next one fetched ahead.
+    # FSDP does not broadcast rank 0's weights as DDP does: each rank cuts its slice from its own.
     for layer in (model.fc1, model.fc2):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)

@@ -57,6 +57,14 @@ def memory(out_dir):
     return read_metrics(out_dir)["memory"]
 
 
+def assert_same_weights(out_dir, reference_dir):
+    """final.pt of both runs: the same tensor names (so no comparison below is over nothing),
+    each equal to the last bit."""
+    ours, reference = load_weights(out_dir), load_weights(reference_dir)
+    assert sorted(ours) == sorted(reference) == sorted(SHAPES)
+    assert all(torch.equal(ours[name], reference[name]) for name in SHAPES)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
 def test_every_strategy_learns_and_writes_lesson_01s_weights(lesson_run, strategy):
     result, out_dir = two_ranks(lesson_run, strategy)
@@ -67,7 +75,7 @@ def test_every_strategy_learns_and_writes_lesson_01s_weights(lesson_run, strateg
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
     assert f"memory per rank ({strategy}, 2 ranks, hidden 64)" in result.stdout
     assert metrics["peak_memory_measure"] == "max_rss"
-    assert all(row["peak"] > 0 for row in metrics["memory"])
+    assert len(metrics["memory"]) == 2 and all(row["peak"] > 0 for row in metrics["memory"])
 
 
 def test_ddp_strategy_is_lesson_02_to_the_last_bit(lesson_run):
@@ -155,6 +163,72 @@ def test_zero1_holds_one_nth_of_the_optimizer_state_by_whole_tensors(lesson_run,
         assert max(row["optimizer_state"] for row in rows) < full["optimizer_state"]
 
 
+# Two training steps of the lesson's shard_model on 2 gloo ranks (the second forked from the
+# first, so torch is imported once), counting FSDP's all-gathers (dist.all_gather_single, which
+# FSDP2's DefaultAllGather calls: torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) and
+# noting which layers are whole (a plain tensor in place of a DTensor shard) at each all-gather
+# and as each layer computes.
+COUNT_ALL_GATHERS = """
+import json, sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, sys.argv[1])
+import train
+
+
+def rank_main(rank, store):
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    model = train.shard_model(train.WineMLP(), "fsdp", torch.device("cpu"))
+    events = []
+
+    def whole():
+        return sorted({name.rsplit(".", 1)[0] for name, p in model.named_parameters()
+                       if not isinstance(p, DTensor)})
+
+    all_gather_single = dist.all_gather_single
+
+    def counted(output, *args, **kwargs):
+        events.append(["all-gather", output.numel(), whole()])
+        return all_gather_single(output, *args, **kwargs)
+
+    dist.all_gather_single = counted
+    for name in ("fc1", "fc2"):
+        getattr(model, name).register_forward_pre_hook(
+            lambda *_, name=name: events.append(["forward", name, whole()]))
+    for _ in range(2):
+        events.append(["step"])
+        F.cross_entropy(model(torch.randn(8, 13)), torch.randint(0, 3, (8,))).backward()
+    if rank == 0:
+        print(json.dumps(events))
+    dist.destroy_process_group()
+
+
+mp.start_processes(rank_main, args=(sys.argv[2],), nprocs=2, start_method="fork")
+"""
+
+
+def test_fsdp_gathers_one_layer_at_a_time_never_the_model(tmp_path):
+    result = subprocess.run([sys.executable, "-c", COUNT_ALL_GATHERS, str(ROOT / LESSON),
+                             str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    events = json.loads(result.stdout.splitlines()[-1])
+    # Each layer's all-gather: its rows padded to a multiple of the 2 ranks, never the model's.
+    size = {layer: sum(-(-rows // 2) * 2 * width for name, (rows, width) in SHAPES.items()
+                       if name.startswith(layer)) for layer in ("fc1", "fc2")}
+    one_step = [
+        ["all-gather", size["fc1"], []], ["forward", "fc1", ["fc1"]],  # forward: one layer whole
+        ["all-gather", size["fc2"], []], ["forward", "fc2", ["fc2"]],  # fc1 freed first
+        # backward: each layer gathered again (both are resharded after forward), fc2 first,
+        # and fc1 fetched ahead while fc2 is still whole: two layers at once, as the README says
+        ["all-gather", size["fc2"], []], ["all-gather", size["fc1"], ["fc2"]],
+    ]
+    assert events == [["step"], *one_step] * 2, events
+
+
 @pytest.fixture(scope="module")
 def crashed_and_resumed(lesson_run, tmp_path_factory):
     """fsdp, 2 ranks: checkpoint after every epoch, rank 1 raises at the start of epoch 2;
@@ -185,8 +259,7 @@ def test_a_crash_and_a_resume_end_bitwise_equal_to_a_run_that_never_crashed(
     assert printed == [f"{epoch}/20" for epoch in range(2, 21)], resumed.stdout
     _, uninterrupted = two_ranks(lesson_run, "fsdp")
     assert read_metrics(out_dir)["train_loss"] == read_metrics(uninterrupted)["train_loss"]
-    reference = load_weights(uninterrupted)
-    assert all(torch.equal(reference[k], v) for k, v in load_weights(out_dir).items())
+    assert_same_weights(out_dir, uninterrupted)
     # Only the last finished checkpoint is left; the unfinished one was replaced.
     assert [p.name for p in (out_dir / "checkpoint").iterdir()] == ["epoch_0020"]
 
@@ -213,20 +286,27 @@ def test_a_checkpoint_loads_into_another_strategy_and_world_size(lesson_run,
     assert max_weight_difference(out_dir, uninterrupted) < 1e-5
 
 
-def test_zero1s_checkpoint_loads_bitwise_into_ddp_on_one_rank(lesson_run, tmp_path):
-    # Each zero1 rank wrote Adam's state of its own tensors only; DDP needs all of it, and the
-    # weights come back to the last bit.
+def test_zero1s_checkpoint_loads_into_ddp_on_one_rank_and_trains_on(lesson_run, tmp_path):
+    # Each zero1 rank wrote Adam's state of its own tensors only; DDP needs all of it. Loaded
+    # with nothing left to train, the weights come back to the last bit:
     _, zero1 = two_ranks(lesson_run, "zero1")
     shutil.copytree(zero1 / "checkpoint", tmp_path / "checkpoint")
-    result = run_lesson(LESSON, *CPU, "--strategy", "ddp", "--world-size", 1, "--out-dir",
-                        tmp_path)
+    ddp = [*CPU, "--strategy", "ddp", "--world-size", 1, "--batch-size", 32, "--out-dir", tmp_path]
+    result = run_lesson(LESSON, *ddp)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "20 of 20 epochs done, written by zero1 on 2 ranks, loaded by ddp on 1" in result.stdout
     # Nothing trained here: one line says so, and no table shows 0 bytes of gradients.
     assert "epoch_0020 already holds all 20 epochs: nothing left to train" in result.stdout
     assert "memory per rank" not in result.stdout
-    reference = load_weights(zero1)
-    assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
+    assert_same_weights(tmp_path, zero1)
+    # One more epoch, with the same global batch, ends within 1e-5 of a zero1 run of 21 epochs
+    # that never stopped: Adam's state came back too. (Adam started afresh moves each weight by
+    # about the learning rate in its first step, 1e-3: tests/mutants.py, 07-adam-state-not-loaded.)
+    result = run_lesson(LESSON, *ddp, "--epochs", 21)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert read_metrics(tmp_path)["resumed_after_epoch"] == 20
+    _, never_stopped = two_ranks(lesson_run, "zero1", "--epochs", 21)
+    assert max_weight_difference(tmp_path, never_stopped) < 1e-5
 
 
 def test_a_checkpoint_of_another_width_is_refused_in_one_line(lesson_run, tmp_path):
@@ -292,8 +372,7 @@ def test_two_nodes_crash_restart_and_end_bitwise_equal_to_one_machine(lesson_run
     assert (metrics["launcher"], metrics["world_size"], metrics["resumed_after_epoch"]) == (
         "torchrun", 2, 1)
     assert metrics["train_loss"] == read_metrics(one_machine)["train_loss"]
-    reference = load_weights(one_machine)
-    assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
+    assert_same_weights(tmp_path, one_machine)
     # One checkpoint, with a file from the rank on each node.
     assert sorted(p.name for p in (tmp_path / "checkpoint" / "epoch_0020").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "progress.json"]
@@ -380,6 +459,7 @@ def test_gpu_every_strategy_learns_and_measures_cuda_memory(lesson_run, strategy
     assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
     assert metrics["peak_memory_measure"] == "cuda_max_allocated"
     full = ddp_bytes()
+    assert len(metrics["memory"]) == world_size
     for row in metrics["memory"]:
         # Tensors only: at least what the rank still holds, and far below one cuBLAS workspace
         # (8 MiB by default, 32 MiB on recent GPUs), which memory_baseline made beforehand and
@@ -414,8 +494,7 @@ def test_gpu_checkpoint_resumes_bitwise(lesson_run, tmp_path):
     resumed = run_lesson(LESSON, *args, "--out-dir", tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "2 of 4 epochs done" in resumed.stdout
-    reference = load_weights(uninterrupted)
-    assert all(torch.equal(reference[k], v) for k, v in load_weights(tmp_path).items())
+    assert_same_weights(tmp_path, uninterrupted)
     assert json.loads((tmp_path / "metrics.json").read_text())["resumed_after_epoch"] == 2
 
 
