@@ -46,6 +46,17 @@ MUTANTS = [
         tests=("tests/test_02_multi_gpu_spawn.py::"
                "test_evaluation_counts_each_test_wine_exactly_once[2]",),
     ),
+    Mutant(
+        id="02-loss-from-rank-0",
+        file="02_multi_gpu_spawn/train.py",
+        find="        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank's slice: the "
+             "mean over all\n",
+        replace="",
+        claim="The loss rank 0 prints is the mean over every rank's samples, not its own.",
+        readme="02_multi_gpu_spawn/README.md#rank-0-prints-and-writes-the-figures-cover-every-rank",
+        tests=("tests/test_02_multi_gpu_spawn.py::"
+               "test_the_printed_loss_is_the_mean_over_every_rank",),
+    ),
     # --- lesson 03: torchrun, global and local rank ---
     Mutant(
         id="03-global-rank-is-local-rank",
@@ -95,6 +106,16 @@ MUTANTS = [
         tests=("tests/test_03_multi_node.py::"
                "test_two_nodes_with_torchrun_equal_the_run_by_hand[static]",),
     ),
+    Mutant(
+        id="03-world-size-of-one-node",
+        file="03_multi_node/train.py",
+        find="args.world_size = args.nnodes * args.nproc_per_node",
+        replace="args.world_size = args.nproc_per_node",
+        claim="world_size counts every process on every node.",
+        readme="03_multi_node/README.md#the-rank-arithmetic-2-nodes--2-gpus",
+        tests=("tests/test_03_multi_node.py::"
+               "test_two_nodes_by_hand_equal_lesson02_with_four_ranks",),
+    ),
     # --- lesson 04: checkpoints, resume ---
     Mutant(
         id="04-resume-skips-an-epoch",
@@ -115,6 +136,46 @@ MUTANTS = [
         readme="04_checkpointing/README.md#what-is-in-a-snapshot-and-why-each-piece",
         tests=("tests/test_04_checkpointing.py::"
                "test_crash_then_resume_equals_the_run_that_never_crashed[1-again0]",),
+    ),
+    Mutant(
+        id="04-load-without-map-location",
+        file="04_checkpointing/train.py",
+        find="torch.load(snapshot_file, map_location=self.device, weights_only=True)",
+        replace="torch.load(snapshot_file, weights_only=True)",
+        claim="Each rank loads the snapshot onto its own device (map_location), not cuda:0.",
+        readme="04_checkpointing/README.md#loading-map_location-and-weights_onlytrue",
+        tests=("tests/test_04_checkpointing.py::"
+               "test_crash_then_resume_equals_the_run_that_never_crashed[2-again1]",),
+    ),
+    Mutant(
+        id="04-load-with-weights-only-false",
+        file="04_checkpointing/train.py",
+        find="torch.load(snapshot_file, map_location=self.device, weights_only=True)",
+        replace="torch.load(snapshot_file, map_location=self.device, weights_only=False)",
+        claim="weights_only=True builds tensors and plain containers only: a file cannot run code.",
+        readme="04_checkpointing/README.md#loading-map_location-and-weights_onlytrue",
+        tests=("tests/test_04_checkpointing.py::"
+               "test_the_lessons_own_loader_refuses_a_file_that_runs_code",),
+    ),
+    Mutant(
+        id="04-local-rank-0-writes",
+        file="04_checkpointing/train.py",
+        find="        self.is_main_process = rank == 0",
+        replace='        self.is_main_process = int(os.environ.get("LOCAL_RANK", rank)) == 0',
+        claim="Global rank 0 alone writes, not local rank 0, which exists once per node.",
+        readme="04_checkpointing/README.md#why-rank-0-alone-writes-and-the-barrier",
+        tests=("tests/test_04_checkpointing.py::"
+               "test_only_global_rank_0_writes_when_two_nodes_share_the_out_dir",),
+    ),
+    Mutant(
+        id="04-resume-without-the-weights",
+        file="04_checkpointing/train.py",
+        find='self.model.module.load_state_dict(snapshot["model"])',
+        replace='self.model.module.state_dict().update(snapshot["model"])',
+        claim="Another number of ranks may resume a snapshot: it goes on from its weights.",
+        readme="04_checkpointing/README.md#a-resume-continues-the-same-run-or-says-why-not",
+        tests=("tests/test_04_checkpointing.py::test_a_snapshot_resumes_with_another_world_size",),
+        kind="refactor",
     ),
     # --- lesson 05: a model split over two devices, DDP over the pairs ---
     Mutant(
@@ -164,7 +225,8 @@ MUTANTS = [
     Mutant(
         id="06-no-sync-removed",
         file="06_ddp_in_practice/train.py",
-        find="with contextlib.nullcontext() if last else self.model.no_sync():",
+        find="with contextlib.nullcontext() if i == len(micro_batches) - 1 else "
+             "self.model.no_sync():",
         replace="with contextlib.nullcontext():",
         claim="no_sync saves all-reduces, one per optimizer step, and changes no math.",
         readme="06_ddp_in_practice/README.md#gradient-accumulation---accumulate-k-and-no_sync",
@@ -178,6 +240,36 @@ MUTANTS = [
         claim="K micro-batches of B take the steps of one batch of K*B.",
         readme="06_ddp_in_practice/README.md#gradient-accumulation---accumulate-k-and-no_sync",
         tests=("tests/test_06_ddp_in_practice.py::test_accumulation_equals_the_big_batch",),
+    ),
+    Mutant(
+        id="06-lr-schedule-not-applied",
+        file="06_ddp_in_practice/train.py",
+        find='group["lr"] = self.lr_schedule(self.steps)',
+        replace="lr = self.lr_schedule(self.steps)",
+        claim="The rate warms up from --lr to the --scale-lr rate over --warmup-steps steps.",
+        readme="06_ddp_in_practice/README.md"
+               "#the-learning-rate-for-the-global-batch---scale-lr---warmup-steps",
+        tests=("tests/test_06_ddp_in_practice.py::"
+               "test_the_warm_up_and_the_scaled_rate_reach_the_optimizer",),
+    ),
+    Mutant(
+        id="06-model-cast-to-bf16",
+        file="06_ddp_in_practice/train.py",
+        find="    model = WineMLP().to(device)\n",
+        replace="    model = WineMLP().to(device, {'bf16': torch.bfloat16}.get(args.precision))\n",
+        claim="Under autocast the weights, their gradients and Adam's state stay fp32.",
+        readme="06_ddp_in_practice/README.md#mixed-precision---precision-bf16fp16",
+        tests=("tests/test_06_ddp_in_practice.py::test_bf16_learns_and_stays_close_to_fp32",),
+    ),
+    Mutant(
+        id="06-fp16-step-without-the-scaler",
+        file="06_ddp_in_practice/train.py",
+        find="self.scaler.step(self.optimizer)",
+        replace="self.optimizer.step()",
+        claim="fp16's GradScaler skips any step whose gradients overflowed.",
+        readme="06_ddp_in_practice/README.md#mixed-precision---precision-bf16fp16",
+        tests=("tests/test_06_ddp_in_practice.py::"
+               "test_fp16_skips_the_step_whose_gradient_overflowed[cpu-gloo]",),
     ),
     # --- lesson 07: FSDP and sharded checkpoints ---
     Mutant(
@@ -195,7 +287,7 @@ MUTANTS = [
         file="07_sharding/train.py",
         find="torch.manual_seed(args.seed)",
         replace="torch.manual_seed(args.seed + rank)",
-        claim="FSDP takes DDP's steps; it does not broadcast rank 0's weights, so ranks seed alike.",
+        claim="FSDP takes DDP's steps; it broadcasts no weights, so the ranks must seed alike.",
         readme="07_sharding/README.md#pitfalls",
         tests=("tests/test_07_sharding.py::"
                "test_sharded_training_takes_the_steps_of_ddp_and_of_one_process[fsdp]",),
@@ -224,8 +316,8 @@ MUTANTS = [
     Mutant(
         id="07-adam-state-not-loaded",
         file="07_sharding/train.py",
-        find='optim_state_dict={**optimizer_state, "state": state["optimizer"]})',
-        replace="optim_state_dict=optimizer_state)",
+        find="dcp.load(state, checkpoint_id=path)",
+        replace='dcp.load({"model": state["model"]}, checkpoint_id=path)',
         claim="A checkpoint loads into another strategy and world size, Adam's state with it.",
         readme="07_sharding/README.md#the-sharded-checkpoint",
         tests=("tests/test_07_sharding.py::"
@@ -242,4 +334,53 @@ MUTANTS = [
                "test_every_strategy_learns_and_writes_lesson_01s_weights[fsdp]",),
     ),
     # --- lesson 08: DDP from scratch ---
+    Mutant(
+        id="08-after-backward-not-averaged",
+        file="08_ddp_from_scratch/train.py",
+        find="grad *= 1 / dist.get_world_size()",
+        replace="pass",
+        claim="Every home-made synchronisation ends on DDP's weights: the mean, not the sum.",
+        readme="08_ddp_from_scratch/README.md#averaging-by-hand-after-backward",
+        tests=("tests/test_08_ddp_from_scratch.py::test_every_mode_ends_on_ddps_weights[2]",),
+    ),
+    Mutant(
+        id="08-overlap-forgets-to-divide",
+        file="08_ddp_from_scratch/train.py",
+        find="torch.mul(param.grad, 1 / dist.get_world_size(), out=slot)",
+        replace="slot.copy_(param.grad)",
+        claim="Overlap and buckets end on DDP's weights: each gradient times 1/N as it is copied.",
+        readme="08_ddp_from_scratch/README.md#overlap-hooks-and-asynchronous-all-reduces",
+        tests=("tests/test_08_ddp_from_scratch.py::test_every_mode_ends_on_ddps_weights[2]",),
+    ),
+    Mutant(
+        id="08-divided-after-the-sum",
+        file="08_ddp_from_scratch/train.py",
+        find="flat = torch.cat([grad.reshape(-1) for grad in grads]) * (1 / dist.get_world_size())"
+             "\n            dist.all_reduce(flat)",
+        replace="flat = torch.cat([grad.reshape(-1) for grad in grads])"
+                "\n            dist.all_reduce(flat)\n            flat /= dist.get_world_size()",
+        claim="Divided before the sum, as DDP: the sum of fp16 gradients cannot pass 65,504.",
+        readme="08_ddp_from_scratch/README.md#averaging-by-hand-after-backward",
+        tests=("tests/test_08_ddp_from_scratch.py::test_gradients_are_divided_before_the_sum",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="08-no-broadcast-from-rank-0",
+        file="08_ddp_from_scratch/train.py",
+        find="    broadcast_from_rank_0(model)\n",
+        replace="",
+        claim="Every rank starts from rank 0's weights, as DDP's constructor makes them.",
+        readme="08_ddp_from_scratch/README.md#averaging-by-hand-after-backward",
+        tests=("tests/test_08_ddp_from_scratch.py::test_every_rank_starts_from_rank_0s_weights",),
+    ),
+    Mutant(
+        id="08-buckets-in-forward-order",
+        file="08_ddp_from_scratch/train.py",
+        find="for name, param in reversed(list(model.named_parameters())):",
+        replace="for name, param in model.named_parameters():",
+        claim="Buckets fill in the order backward produces the gradients, as DDP's do.",
+        readme="08_ddp_from_scratch/README.md#buckets-what-ddp-does",
+        tests=("tests/test_08_ddp_from_scratch.py::"
+               "test_bucket_sizes_follow_the_readmes_arithmetic[5-sizes1]",),
+    ),
 ]
