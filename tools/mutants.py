@@ -97,16 +97,6 @@ MUTANTS = [
                "test_two_nodes_by_hand_equal_lesson02_with_four_ranks",),
     ),
     Mutant(
-        id="03-torchrun-rank-as-local-rank",
-        file="03_multi_node/train.py",
-        find='worker(int(os.environ["LOCAL_RANK"]), args)',
-        replace='worker(int(os.environ["RANK"]), args)',
-        claim="torchrun tells each process who it is: its local rank and its node.",
-        readme="03_multi_node/README.md#torchrun-tells-each-process-who-it-is",
-        tests=("tests/test_03_multi_node.py::"
-               "test_two_nodes_with_torchrun_equal_the_run_by_hand[static]",),
-    ),
-    Mutant(
         id="03-world-size-of-one-node",
         file="03_multi_node/train.py",
         find="args.world_size = args.nnodes * args.nproc_per_node",

@@ -16,6 +16,7 @@ status 1 unless all are caught.
 """
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from check_listings import copy_repository  # noqa: E402
+from check_listings import copy_repository, descendants, process_tree, signal_all  # noqa: E402
 from mutants import MUTANTS  # noqa: E402
 
 TABLE = ROOT / "tests" / "README.md"
@@ -71,9 +72,11 @@ def run_tests(copy, tests, timeout):
 
 
 def stop(process):
-    """End a test run and every process it started, if it is still running."""
+    """End a test run and every process it started (torchrun's in sessions of their own)."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
+        signal_all([process.pid, *descendants(process.pid, process_tree())], signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # what is left of its process group
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def check(root, mutant, timeout):
