@@ -197,7 +197,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
         self.clip_grad_norm = clip_grad_norm or math.inf  # inf: measure the norm, clip nothing
         self.lr_schedule = lr_schedule
-        self.steps = 0  # optimizer steps taken
+        self.steps, self.lrs = 0, []  # optimizer steps taken, and the rate each one used
         self.grad_norms = []  # the global gradient's norm before clipping, at every step
 
     def train_step(self, features, labels):
@@ -212,8 +212,7 @@ class Trainer:
         for i, (x, y) in enumerate(micro_batches):
             # Inside no_sync DDP's backward skips its all-reduce, and the last backward
             # all-reduces the sum. no_sync must hold the forward too: DDP prepares it there.
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.model.no_sync():
+            with contextlib.nullcontext() if i == len(micro_batches) - 1 else self.model.no_sync():
                 # Autocast: matrix products in bf16 or fp16, ops that need range (softmax, the
                 # loss) in fp32; backward follows suit. Weights, .grad, Adam's state stay fp32.
                 with torch.autocast(self.device.type, self.dtype, enabled=self.dtype is not None):
@@ -227,6 +226,7 @@ class Trainer:
         # norm and clip alike (inside no_sync each would clip its own part, by its own factor).
         self.grad_norms.append(nn.utils.clip_grad_norm_(self.model.parameters(),
                                                         self.clip_grad_norm))
+        self.lrs.append(self.optimizer.param_groups[0]["lr"])  # what the step below uses
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.steps += 1
@@ -335,6 +335,7 @@ def main(rank, args):
         **vars(args),  # every flag, this lesson's among them
         "global_batch": global_batch,
         "optimizer_steps": trainer.steps,
+        "lr_per_step": trainer.lrs,  # the warm-up and --scale-lr, as the optimizer got them
         "grad_scale": trainer.scaler.get_scale(),  # fp16's loss scale at the end; else 1
         "grad_norms": grad_norms,  # per rank: the global gradient's norm at every step
         "samples_per_second": samples_per_second,
