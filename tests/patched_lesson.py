@@ -11,6 +11,8 @@ PATCH is one of:
                   the second torch.save of the run writes half its bytes, then its process is
                   killed (SIGKILL), as by a power cut or the out-of-memory killer mid-write
   log-writes      every save_atomically call prints "write <file name> by rank <rank>"
+  log-loads       every torch.load in the lesson's own code prints "load by rank <rank> onto
+                  <map_location>" (the guard rails' own checks of the file are not counted)
   count-all-reduces
                   a DDP communication hook counts the gradient all-reduces; at the end each rank
                   prints "rank <rank>: <n> gradient all-reduces in <steps> optimizer steps"
@@ -103,6 +105,19 @@ def log_writes(obj, path):
     return original_save_atomically(obj, path)
 
 
+class TorchLoadsLogged:
+    """torch, as the lesson's own code sees it, with load saying which rank loads onto what."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def load(self, f, *args, map_location=None, **kwargs):
+        # One write per line: the ranks load at the same time.
+        sys.stdout.write(f"load by rank {dist.get_rank()} onto {map_location}\n")
+        sys.stdout.flush()
+        return torch.load(f, *args, map_location=map_location, **kwargs)
+
+
 all_reduces = 0
 
 
@@ -179,6 +194,8 @@ elif patch == "abort-rank-1":
     lesson.Trainer.train_epoch = abort_rank_1
 elif patch == "log-writes":
     lesson.save_atomically = log_writes
+elif patch == "log-loads":
+    lesson.torch = TorchLoadsLogged()
 elif patch == "count-all-reduces":
     lesson.DDP = counting_ddp
     lesson.Trainer.train = train_and_report
