@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -99,6 +98,15 @@ def test_ddp_with_two_ranks_equals_one_process_with_twice_the_batch(lesson_run):
     _, two = lesson02_run(lesson_run, 2)  # 2 x batch 16
     assert read_metrics(two)["test_total"] == 36
     assert max_weight_difference(one, two) < 1e-5
+
+
+def test_the_printed_loss_is_the_mean_over_every_rank(lesson_run):
+    # At every step the two ranks' 16 wines are the 32 that one process sees, and their weights
+    # are its weights: the all-reduced mean over both ranks' samples is that process's loss,
+    # epoch by epoch. Rank 0's own half is another number, off by 1e-3 or more.
+    one = read_metrics(lesson02_run(lesson_run, 1)[1])["train_loss"]
+    two = read_metrics(lesson02_run(lesson_run, 2)[1])["train_loss"]
+    assert two == pytest.approx(one, rel=1e-5, abs=0)
 
 
 def test_control_without_gradient_averaging_gives_other_weights(lesson_run):
@@ -238,6 +246,8 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and "interrupted (Ctrl-C)" in errors[0], result.stderr
+    # A wall-clock bound: the ranks stop within seconds. 30 s holds on a machine running the
+    # suite's two workers and nothing else; a run that ignored Ctrl-C would go on for hours.
     assert took < 30
     assert not left, f"processes left behind: {left}"
 
@@ -265,14 +275,14 @@ def test_ctrl_c_reaches_the_command_even_from_a_test_run_in_the_background(tmp_p
 
 def test_a_stalled_rank_ends_the_job_within_the_timeout(lesson_run):
     # Rank 1 sleeps for 5 minutes in its second epoch; rank 0 waits for it in the all-reduce
-    # only as long as --timeout, then the job ends with one line.
-    start = time.monotonic()
+    # only as long as --timeout, then the job ends with one line. What ended the wait is named
+    # in it: gloo's 5000 ms, --timeout 5 (not gloo's own 30 minutes). No clock is read: a run
+    # that waited for the sleeper would pass run_lesson's 240 s limit and fail the test.
     result, _ = lesson_run(LESSON, *CPU, "--world-size", 2, "--epochs", 3, "--timeout", 5,
                            patch="stall-rank-1")
     line = assert_one_line_error(result, "rank 0 lost contact with the other ranks",
                                  "stalled longer than --timeout")
-    assert "Timed out" in line or "timed out" in line, line
-    assert time.monotonic() - start < 150
+    assert "Timed out waiting 5000ms" in line, line
 
 
 def test_a_rank_aborted_as_by_nccls_watchdog_is_told_as_a_timeout_not_memory(tmp_path):
