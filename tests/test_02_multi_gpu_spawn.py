@@ -103,7 +103,7 @@ def test_ddp_with_two_ranks_equals_one_process_with_twice_the_batch(lesson_run):
 def test_the_printed_loss_is_the_mean_over_every_rank(lesson_run):
     # At every step the two ranks' 16 wines are the 32 that one process sees, and their weights
     # are its weights: the all-reduced mean over both ranks' samples is that process's loss,
-    # epoch by epoch. Rank 0's own half is another number, off by 1e-3 or more.
+    # epoch by epoch. Rank 0's own half is another number (the all-reduce left out, this fails).
     one = read_metrics(lesson02_run(lesson_run, 1)[1])["train_loss"]
     two = read_metrics(lesson02_run(lesson_run, 2)[1])["train_loss"]
     assert two == pytest.approx(one, rel=1e-5, abs=0)
