@@ -343,18 +343,6 @@ MUTANTS = [
         tests=("tests/test_08_ddp_from_scratch.py::test_every_mode_ends_on_ddps_weights[2]",),
     ),
     Mutant(
-        id="08-divided-after-the-sum",
-        file="08_ddp_from_scratch/train.py",
-        find="flat = torch.cat([grad.reshape(-1) for grad in grads]) * (1 / dist.get_world_size())"
-             "\n            dist.all_reduce(flat)",
-        replace="flat = torch.cat([grad.reshape(-1) for grad in grads])"
-                "\n            dist.all_reduce(flat)\n            flat /= dist.get_world_size()",
-        claim="Divided before the sum, as DDP: the sum of fp16 gradients cannot pass 65,504.",
-        readme="08_ddp_from_scratch/README.md#averaging-by-hand-after-backward",
-        tests=("tests/test_08_ddp_from_scratch.py::test_gradients_are_divided_before_the_sum",),
-        kind="refactor",
-    ),
-    Mutant(
         id="08-no-broadcast-from-rank-0",
         file="08_ddp_from_scratch/train.py",
         find="    broadcast_from_rank_0(model)\n",
