@@ -66,21 +66,34 @@ def run_every_mode(out_dir, *groups, env=NO_GPUS):
     return result
 
 
+class RunsByWorldSize(dict):
+    """{world size: folder}, each world size launched the first time a test asks for it: a
+    test of 2 ranks alone (the mutation check runs one at a time) waits for no other."""
+
+    def __init__(self, launch):
+        super().__init__()
+        self.launch = launch
+
+    def __missing__(self, world_size):
+        self[world_size] = self.launch(world_size)
+        return self[world_size]
+
+
 @pytest.fixture(scope="module")
 def every_mode(tmp_path_factory):
     """{world size: folder}: folder/<group>/<mode>/ holds that mode's run. 2 ranks: the wine
     MLP and the larger model, each with a profile of one step, and folder/cases.json, the
     models of tests/grad_sync_cases.py; 1 and 3 ranks: the wine MLP."""
-    runs = {}
-    for world_size in (1, 2, 3):
+    def launch(world_size):
         out_dir = tmp_path_factory.mktemp(f"lesson08_{world_size}_ranks")
         profile = PROFILE if world_size == 2 else []  # the tests read the profiles of 2 ranks
         groups = [("wine", [*WINE, *profile, "--world-size", world_size])]
         if world_size == 2:
             groups += [("large", [*LARGE, "--world-size", world_size]), ("cases", [])]
         run_every_mode(out_dir, *groups)
-        runs[world_size] = out_dir
-    return runs
+        return out_dir
+
+    return RunsByWorldSize(launch)
 
 
 def step_trace(out_dir, rank):
