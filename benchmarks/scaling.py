@@ -144,17 +144,13 @@ def make_group(timeout, ranks=None, backend=None):
 
 
 def leave_group(failed):
-    """Leave the process group as the lessons' guard_rails.leave_group does: destroy it after
-    work that ended well; after a failure with NCCL, abort it. destroy_process_group waits for
-    every NCCL collective this rank started, and one that its peers never join would hold the
-    rank until NCCL's watchdog ends it at --timeout; an abort (ncclCommAbort) ends them at once
-    (_abort_process_group: private, NCCL-only in torch 2.14). gloo's destroy waits for no peer."""
-    if not dist.is_initialized():
-        return
-    if failed and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
-    else:
-        dist.destroy_process_group()
+    """Leave the process group with the lessons' own guard_rails.leave_group: after a failure
+    with NCCL it aborts the group, since destroying it would wait for collectives that no peer
+    joins (its docstring says why); otherwise it destroys it."""
+    lesson08()  # puts lesson 08's folder, where guard_rails.py is, on sys.path
+    import guard_rails
+
+    guard_rails.leave_group(failed)
 
 
 def make_cublas_workspaces(device):
