@@ -1,0 +1,141 @@
+"""The checker's recorder, loaded into every Python process of a checked run.
+
+exercises/check.py starts the script under check with this folder on PYTHONPATH, so Python imports
+this file at start-up (as it imports any `sitecustomize`), and with EXERCISE_PROBE_DIR set. Once the
+script has imported torch, it records what the checker needs to name a mistake, and changes nothing
+the script computes:
+- the wines each training step read (the rows that reach the first layer, nn.Linear(13, ...)),
+  and the wines each evaluation read;
+- the weights before every optimizer step, after the last one, and the first step's gradients;
+- the rank and world size this process asked init_process_group for, and the ones it got;
+- every torch.load and torch.save the script's own file made (the file, weights_only, map_location).
+It writes them into EXERCISE_PROBE_DIR/<pid>.pt when the process ends, also by os._exit, as the
+lessons' guard_rails.leave_process ends a rank.
+"""
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+
+OUT = os.environ.get("EXERCISE_PROBE_DIR")
+SCRIPT = os.path.realpath(os.environ.get("EXERCISE_SCRIPT", "-"))  # the file under check
+FEATURES = 13  # a wine's measurements: the width of every lesson model's first layer
+
+
+class AfterTorch(importlib.abc.MetaPathFinder):
+    """Installs the recorder as soon as torch has been imported, whoever imports it first: a
+    process that never imports torch (multiprocessing's helpers) pays nothing for it."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        exec_torch = spec.loader.exec_module
+
+        def exec_module(module):
+            exec_torch(module)
+            record(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def record(torch):
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    log = {"pid": os.getpid(), "rank": None, "world_size": None, "steps": [], "eval_rows": [],
+           "params": [], "last": None, "grads": None, "layers": set(), "loads": [], "saves": []}
+    rows = []  # the wines read since the last step
+
+    def local(tensor):
+        tensor = tensor.detach()
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP's shard
+        return tensor.to("cpu", torch.float32).clone()
+
+    def on_forward(module, args):
+        if module.training and torch.is_grad_enabled():
+            log["layers"].add(type(module).__name__)  # FSDPLinear where fully_shard reached
+        if (isinstance(module, nn.Linear) and module.in_features == FEATURES and args
+                and torch.is_tensor(args[0])):
+            batch = local(args[0]).reshape(-1, FEATURES)
+            (rows if module.training and torch.is_grad_enabled() else log["eval_rows"]).append(
+                batch)
+
+    def before_step(optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if log["grads"] is None:
+            log["grads"] = [None if p.grad is None else local(p.grad) for p in params]
+        log["params"].append([local(p) for p in params])
+        log["steps"].append(torch.cat(rows) if rows else torch.empty(0, FEATURES))
+        rows.clear()
+
+    def after_step(optimizer, args, kwargs):
+        log["last"] = [local(p) for group in optimizer.param_groups for p in group["params"]]
+
+    register_module_forward_pre_hook(on_forward)
+    register_optimizer_step_pre_hook(before_step)
+    register_optimizer_step_post_hook(after_step)
+
+    def called_from_script():
+        frame = sys._getframe(2)
+        return os.path.realpath(frame.f_code.co_filename) == SCRIPT
+
+    real_load, real_save = torch.load, torch.save
+
+    def load(f, *args, **kwargs):
+        if called_from_script():
+            map_location = kwargs.get("map_location", args[0] if args else None)
+            log["loads"].append({"file": str(getattr(f, "name", f)),
+                                 "weights_only": kwargs.get("weights_only", "not given"),
+                                 "map_location": repr(map_location)})
+        return real_load(f, *args, **kwargs)
+
+    def save(obj, f, *args, **kwargs):
+        if called_from_script():  # not torch.distributed.checkpoint's shard files
+            log["saves"].append(str(getattr(f, "name", f)))
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.load, torch.save = load, save
+
+    real_init = dist.init_process_group
+
+    def init_process_group(*args, **kwargs):
+        # What this process asks to join as, written before it waits for the others: a process
+        # that then waits forever, and is killed, still tells the checker who it meant to be.
+        asked = {"rank": kwargs.get("rank", int(os.environ.get("RANK", -1))),
+                 "world_size": kwargs.get("world_size", int(os.environ.get("WORLD_SIZE", -1)))}
+        with open(os.path.join(OUT, f"{log['pid']}.json"), "w") as f:
+            json.dump(asked, f)
+        real_init(*args, **kwargs)
+        log["rank"], log["world_size"] = dist.get_rank(), dist.get_world_size()
+
+    dist.init_process_group = init_process_group
+
+    def write():
+        if not (log["steps"] or log["eval_rows"] or log["loads"] or log["saves"]):
+            return  # a launcher: it trained nothing
+        log["layers"] = sorted(log["layers"])
+        real_save(log, os.path.join(OUT, f"{log['pid']}.pt"))
+
+    atexit.register(write)
+    real_exit = os._exit
+
+    def exit_now(code):
+        write()
+        real_exit(code)
+
+    os._exit = exit_now
+
+
+if OUT:
+    sys.meta_path.insert(0, AfterTorch())

@@ -1,0 +1,191 @@
+"""The exercises' checker (exercises/check.py): each lesson passes its own check; each mistake the
+checker names is shown by a lesson with that mistake made in a copy of it, here, and the line it
+prints; bad input gets one line, within the time bound, and leaves nothing behind.
+
+The runs are many (about 30 lesson runs, 5 ranks for exercise 02), so these tests carry the
+`exercises` mark, which the README's test command leaves out: CI runs them in a step of their own,
+`python -m pytest -m exercises` (tests/README.md says how long it takes). The cheap checks of the
+exercise pages and the checker's links run in every suite."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+from mutants import MUTANTS  # noqa: E402
+from test_mutate import readme_anchors  # noqa: E402
+
+CHECK = ROOT / "exercises" / "check.py"
+MUTANT = {m.id: m for m in MUTANTS}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A lesson with one mistake, and what the checker must say of it."""
+    exercise: str
+    lesson: str
+    changes: tuple  # (find, replace) pairs, each find occurring once in lesson/train.py
+    says: str  # a fragment of the checker's "most likely" line
+    id: str
+
+
+def from_mutant(exercise, mutant_id, says):
+    """A mistake of tools/mutants.py, the list the mutation check uses."""
+    m = MUTANT[mutant_id]
+    return Case(exercise, m.file.split("/")[0], ((m.find, m.replace),), says, mutant_id)
+
+
+DDP_LINE = 'model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)'
+STRIDE = "self.test_set.{0}[self.rank::self.world_size]"
+PADDED = ("self.test_set.{0}[list(DistributedSampler(self.test_set, self.world_size, "
+          "self.rank, shuffle=False))]")
+CASES = [
+    from_mutant("02", "02-no-set-epoch", "call train_loader.sampler.set_epoch(epoch)"),
+    from_mutant("02", "02-evaluation-counts-not-reduced", "counts were not summed"),
+    from_mutant("02", "02-loss-from-rank-0", "sum the losses and the sample counts"),
+    Case("02", "02_multi_gpu_spawn",
+         (("num_replicas=world_size, rank=rank", "num_replicas=1, rank=0"),),
+         "every rank trains on the whole set", "02-no-distributed-sampler"),
+    Case("02", "02_multi_gpu_spawn",
+         (("cpu_state_dict(model.module)", "cpu_state_dict(model)"),),
+         "saved the DDP wrapper's state_dict", "02-saves-the-ddp-wrapper"),
+    Case("02", "02_multi_gpu_spawn",
+         ((DDP_LINE, DDP_LINE + "\n    model.require_backward_grad_sync = False"),),
+         "not averaged at all", "02-gradients-not-averaged"),
+    Case("02", "02_multi_gpu_spawn",
+         tuple((STRIDE.format(name), PADDED.format(name)) for name in ("features", "labels")),
+         "padding of a DistributedSampler was counted", "02-evaluation-counts-padding"),
+    from_mutant("03", "03-global-rank-is-local-rank", "node_rank * nproc_per_node + local_rank"),
+    from_mutant("03", "03-data-sliced-by-local-rank", "the sampler's rank is the global rank"),
+    from_mutant("03", "03-every-nodes-first-rank-writes", "only global rank 0 writes"),
+    from_mutant("04", "04-resume-skips-an-epoch", "it skipped an epoch"),
+    from_mutant("04", "04-optimizer-state-not-loaded", "restore the optimizer's state"),
+    from_mutant("04", "04-load-without-map-location", "give map_location=device"),
+    from_mutant("04", "04-load-with-weights-only-false", "load with weights_only=True"),
+    from_mutant("04", "04-resume-without-the-weights", "load the model's state_dict"),
+    from_mutant("07", "07-fsdp-wraps-only-the-root", "call fully_shard on each layer first"),
+    from_mutant("07", "07-ranks-seeded-apart", "FSDP does not broadcast rank 0's weights"),
+    from_mutant("07", "07-final-pt-holds-shards", "gather the whole tensors first"),
+    from_mutant("08", "08-overlap-forgets-to-divide", "summed, not averaged"),
+    # Lesson 08 seeds every rank alike, so without the broadcast its ranks still start
+    # together; a learner who also seeds each rank apart does not.
+    Case("08", "08_ddp_from_scratch",
+         (("    broadcast_from_rank_0(model)\n", ""),
+          ("torch.manual_seed(args.seed)", "torch.manual_seed(args.seed + rank)")),
+         "broadcast them from rank 0", "08-no-broadcast-ranks-seeded-apart"),
+]
+LESSONS = {"02": "02_multi_gpu_spawn", "03": "03_multi_node", "04": "04_checkpointing",
+           "07": "07_sharding", "08": "08_ddp_from_scratch"}
+
+
+@pytest.fixture(scope="module")
+def lesson_runs(tmp_path_factory):
+    """The lessons' reference runs, made once by the first check of each exercise."""
+    return tmp_path_factory.mktemp("lesson_runs")
+
+
+def check(exercise, script, cwd, lesson_runs=None, timeout=None):
+    env = dict(os.environ, TMPDIR=str(cwd / "tmp"))
+    (cwd / "tmp").mkdir(exist_ok=True)
+    if lesson_runs:
+        env["EXERCISE_LESSON_RUNS"] = str(lesson_runs)
+    command = [sys.executable, str(CHECK), exercise, str(script)]
+    if timeout:
+        command += ["--timeout", str(timeout)]
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert not os.listdir(cwd / "tmp"), "the checker left files in its temporary folder"
+    return done
+
+
+def copy_lesson(lesson, folder, changes=()):
+    folder.mkdir()
+    shutil.copy(ROOT / lesson / "guard_rails.py", folder)
+    source = (ROOT / lesson / "train.py").read_text()
+    for find, replace in changes:
+        assert source.count(find) == 1, f"{find!r} is not once in {lesson}/train.py"
+        source = source.replace(find, replace)
+    (folder / "train.py").write_text(source)
+    return folder / "train.py"
+
+
+@pytest.mark.exercises
+@pytest.mark.parametrize("exercise", LESSONS)
+def test_every_lesson_passes_its_own_exercise(exercise, tmp_path, lesson_runs):
+    # Exercise 08's reference is lesson 02's DDP: lesson 08's own averaging must end on it.
+    script = copy_lesson(LESSONS[exercise], tmp_path / "mine")
+    done = check(exercise, script, tmp_path, lesson_runs)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"PASS exercise {exercise} ")
+
+
+@pytest.mark.exercises
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_each_mistake_is_named(case, tmp_path, lesson_runs):
+    script = copy_lesson(case.lesson, tmp_path / "mine", case.changes)
+    done = check(case.exercise, script, tmp_path, lesson_runs)
+    verdict, likely, where = done.stdout.splitlines()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert verdict.startswith(f"NOT YET exercise {case.exercise} "), verdict
+    assert likely.startswith("  most likely: ") and case.says in likely, done.stdout
+    assert where.startswith("  where to look: ")
+
+
+BAD = {
+    "fails": ("import sys\nsys.exit('error: no such flag')\n", "stopped with exit status 1; "
+              "its last line: error: no such flag"),
+    "hangs": ("import os, sys, time\nopen(os.environ['PID_FILE'], 'w').write(str(os.getpid()))\n"
+              "time.sleep(600)\n", "did not finish within the time bound"),
+    "writes nothing": ("print('trained')\n", "wrote no final.pt into --out-dir"),
+    "writes a model object": (
+        "import sys, os, torch\nd = sys.argv[sys.argv.index('--out-dir') + 1]\n"
+        "os.makedirs(d)\ntorch.save(torch.nn.Linear(13, 3), os.path.join(d, 'final.pt'))\n",
+        "final.pt is not a file of plain tensors"),
+}
+
+
+@pytest.mark.exercises
+@pytest.mark.parametrize("what", BAD)
+def test_bad_input_gets_one_line_within_the_bound(what, tmp_path, monkeypatch):
+    source, says = BAD[what]
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    started = time.monotonic()
+    monkeypatch.setenv("PID_FILE", str(tmp_path / "pid"))  # where a hanging script says who it is
+    done = check("02", script, tmp_path, timeout=15)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.count("\n") == 1 and done.stdout.startswith("CANNOT CHECK exercise 02 ")
+    assert says in done.stdout, done.stdout
+    if what == "hangs":  # stopped at the bound, and not left running
+        assert time.monotonic() - started < 60
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+def test_a_missing_script_and_an_unknown_exercise_get_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(CHECK), "02", str(tmp_path / "nope.py")],
+                          capture_output=True, text=True)
+    assert (done.returncode, done.stdout.strip()) == (
+        2, f"CANNOT CHECK exercise 02 (make lesson 01 data-parallel with DDP and mp.spawn): "
+           f"there is no file {tmp_path / 'nope.py'}")
+    done = subprocess.run([sys.executable, str(CHECK), "05", "x.py"], capture_output=True,
+                          text=True)
+    assert done.returncode == 2 and "no exercise '05'" in done.stderr.splitlines()[-1]
+
+
+def test_every_link_of_the_checker_points_at_a_heading():
+    tree = ast.parse(CHECK.read_text())
+    links = [(call.args[0].value, "".join(part.value for part in ast.walk(call.args[1])
+                                          if isinstance(part, ast.Constant)))
+             for call in ast.walk(tree) if isinstance(call, ast.Call)
+             and getattr(call.func, "id", "") == "readme"]
+    assert len(links) > 10
+    for lesson, anchor in links:
+        assert anchor in readme_anchors(ROOT / lesson / "README.md"), (lesson, anchor)
