@@ -4,8 +4,9 @@
     python tools/check_listings.py 02_multi_gpu_spawn/README.md  # one file
     python tools/check_listings.py --list                        # what would run; runs nothing
 
-The files, by default: the root README.md, every numbered lesson's README.md (00_preflight on)
-and INSTRUCTORS.md. The conventions a README author follows, which this check enforces:
+The files, by default: the root README.md, every numbered lesson's README.md (00_preflight on),
+INSTRUCTORS.md and the exercises' pages (exercises/*.md). The conventions a README author
+follows, which this check enforces:
 
 - Every ```bash block of a file runs, top to bottom. Each file runs in a fresh copy of the
   repository (its git-tracked files and the untracked ones git does not ignore; no runs/), from
@@ -574,7 +575,8 @@ def stop(shell_pid, commands, status, n, signum=signal.SIGTERM):
 
 def default_files(root):
     lessons = sorted(p.relative_to(root).as_posix() for p in root.glob("[0-9][0-9]_*/README.md"))
-    return ["README.md", *lessons, "INSTRUCTORS.md"]
+    exercises = sorted(p.relative_to(root).as_posix() for p in root.glob("exercises/*.md"))
+    return ["README.md", *lessons, "INSTRUCTORS.md", *exercises]
 
 
 def duration(seconds):
@@ -602,8 +604,8 @@ def report(result, failed):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="*", help="markdown files, relative to --root "
-                        "(default: README.md, every NN_*/README.md, INSTRUCTORS.md)")
+    parser.add_argument("files", nargs="*", help="markdown files, relative to --root (default: "
+                        "README.md, every NN_*/README.md, INSTRUCTORS.md, exercises/*.md)")
     parser.add_argument("--root", type=Path, default=ROOT,
                         help="the repository whose files are checked and copied (default: this "
                         "one)")
