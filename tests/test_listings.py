@@ -221,14 +221,16 @@ def test_a_lesson_run_that_trains_nothing_silently_is_flagged(tmp_path):
         python not_a_lesson.py
         python 09_fake/train.py --nnodes 2 --node-rank 1
         python 09_fake/train.py --nnodes 2 --node-rank 0
+        python not_a_lesson.py 02 09_fake/train.py
         ```
         """, files={"09_fake/train.py": FAKE_LESSON, "not_a_lesson.py": FAKE_LESSON})
     assert result.returncode == 1
-    # Node 1 has no rank 0 to print the result; node 0 does, and says nothing here.
+    # Node 1 has no rank 0 to print the result; node 0 does, and says nothing here. A script
+    # given a lesson's path (the exercises' checker) is not a lesson run.
     assert lines_of(result, "FAIL") == ["README.md:2", "README.md:8"]
     assert "a lesson run that exits 0 prints 'test accuracy'" in result.stdout
     assert lines_of(result, "ok") == ["README.md:3", "README.md:4", "README.md:5",
-                                      "README.md:6", "README.md:7"]
+                                      "README.md:6", "README.md:7", "README.md:9"]
 
 
 def test_a_command_that_names_another_machine_is_refused_unrun(tmp_path):

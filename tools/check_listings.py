@@ -90,8 +90,9 @@ OUTPUT_FORMS = ("`<!-- output: exact lines -->` (or `<!-- output of `text of the
                 "lines -->`) or `<!-- output: illustrative (the reason) -->`")
 HEREDOC = re.compile(r"<<(-?)[ \t]*(?:'([^']*)'|\"([^\"]*)\"|\\?([\w.-]+))")
 # python, python3, python3.12 or torchrun (or `python -m torch.distributed.run`) starting a
-# numbered lesson's train.py, within one simple command.
-LESSON_RUN = re.compile(r"(?:^|[\s;&|(/])(?:python[\d.]*|torchrun)\s[^;&|\n]*?"
+# numbered lesson's train.py, within one simple command; not another script that is given one
+# (exercises/check.py 02 02_multi_gpu_spawn/train.py).
+LESSON_RUN = re.compile(r"(?:^|[\s;&|(/])(?:python[\d.]*|torchrun)\s(?:(?!\.py\b)[^;&|\n])*?"
                         r"\b\d\d_[\w-]+/train\.py\b")
 HELP = re.compile(r"(?:^|\s)(?:--help|-h)(?=\s|$)")
 # A node other than node 0 (lesson 03's --node-rank, torchrun's): rank 0, which prints the result,
