@@ -293,6 +293,9 @@ def plan(facts):
         ("08_ddp_from_scratch", "cpu",
          [f"{python} 08_ddp_from_scratch/train.py --world-size 2{on_cpu}"],
          "2 ranks, the gradients averaged by hand in buckets, as DDP does", cpu_ok),
+        ("09_tensor_parallel", "cpu",
+         [f"{python} 09_tensor_parallel/train.py --tp 2 --dp 1{on_cpu}"],
+         "2 ranks, each layer split over both (tensor parallelism)", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -316,6 +319,10 @@ def plan(facts):
              f"{gpus} rank(s), one per GPU, FSDP over NCCL", gpu_ok),
             ("08_ddp_from_scratch", "gpu", [f"{python} 08_ddp_from_scratch/train.py"],
              f"{gpus} rank(s), one per GPU, NCCL, the gradients averaged by hand", gpu_ok),
+            ("09_tensor_parallel", "gpu",
+             [f"{python} 09_tensor_parallel/train.py" + ("" if pairs else " --tp 1")],
+             f"{pairs} TP group(s) of 2 GPUs, FSDP across them, NCCL" if pairs
+             else "one rank on cuda:0, nothing to split", gpu_ok),
         ]
     can, cannot = [], []
     for lesson, where, commands, note, runnable in wanted:

@@ -23,10 +23,18 @@ import signal
 import socket
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Lesson 09: gathering a 2-D (FSDP x TP) model whole, for final.pt, warns once per rank that it
+# takes "2 sequential all_gather operations": a note on speed, for a gather made once a run.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+# And FSDP warns that a layer split by TP "returned a view tensor" (TP's output, as a plain tensor,
+# is a view of the DTensor's), which an in-place op could break: the lesson's model makes none.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view")
 
 # ---------------------------------------------------------------------------------------------
 # Every lesson: flags, launcher, --out-dir, Ctrl-C
@@ -46,7 +54,7 @@ def check_args(args):
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"--{name.replace('_', '-')} must be a finite number (got {value})")
     for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
-                 "crash_at_epoch"):
+                 "crash_at_epoch", "hidden", "layers", "dp", "tp"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
@@ -722,6 +730,8 @@ def check_checkpoint(path, args):
         with open(os.path.join(path, "progress.json")) as f:
             done = json.load(f)["epochs_completed"]
         hidden = metadata.state_dict_metadata["model.fc1.weight"].size[0]
+        layers = 1 + sum(key.startswith("model.hidden.") and key.endswith(".weight")
+                         for key in metadata.state_dict_metadata)  # lesson 09's --layers
         # Every file the metadata names must be there, with the bytes it says: a shard deleted
         # or cut short would stop every rank in dcp.load, each with a traceback. storage_data
         # maps each chunk of a tensor to a _StorageInfo: relative_path, offset and length in
@@ -746,9 +756,31 @@ def check_checkpoint(path, args):
     if hidden != args.hidden:
         fail(f"{path} holds a model with --hidden {hidden}, not {args.hidden}; resume with "
              f"--hidden {hidden}, or delete it or choose another --out-dir")
+    if layers != getattr(args, "layers", 1):
+        fail(f"{path} holds a model with --layers {layers}, not {args.layers}; resume with "
+             f"--layers {layers}, or delete it or choose another --out-dir")
     if done > args.epochs:
         fail(f"{path} has {done} epochs done, more than --epochs {args.epochs}; ask for at "
              f"least {done} or choose another --out-dir")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 09: a mesh that cannot split the model
+# ---------------------------------------------------------------------------------------------
+def check_tensor_parallel(args):
+    """Refuse, before any rank starts, a --dp x --tp mesh that cannot split this model."""
+    if args.dp is None:  # torchrun's ranks, or else the GPUs, in TP groups of --tp; at least 1
+        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
+        args.dp = max(1, ranks // args.tp)
+    if started_by_torchrun() and args.dp * args.tp != args.world_size:
+        fail(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but torchrun "
+             f"started {args.world_size}; start dp x tp processes in all, or change --dp or --tp")
+    if args.hidden % args.tp:
+        fail(f"--tp {args.tp} does not divide --hidden {args.hidden}: each rank of a TP group "
+             f"holds hidden / tp of every layer's units; choose a --tp that divides {args.hidden}")
+    if args.tp > 1 and args.layers % 2 == 0:
+        fail(f"--layers {args.layers} makes {args.layers + 1} linear layers, and tensor "
+             "parallelism splits them in pairs (column-wise, then row-wise); use an odd --layers")
 
 
 def checkpoints_beside(path):

@@ -72,6 +72,7 @@ def test_lists_the_cpu_command_of_every_lesson_present(preflight):
     assert "06_ddp_in_practice/train.py --world-size 2 --precision bf16" in commands
     assert "07_sharding/train.py --world-size 2" in commands
     assert "08_ddp_from_scratch/train.py --world-size 2" in commands
+    assert "09_tensor_parallel/train.py --tp 2 --dp 1" in commands
     if not (ROOT / "04_checkpointing" / "train.py").is_file():
         assert ("04_checkpointing, CPU: 04_checkpointing/train.py is not in this copy of the "
                 "repository") in preflight.stdout
@@ -194,6 +195,7 @@ def full_repository(tmp_path):
                  "04_checkpointing/train.py", "05_model_parallel_ddp/train.py",
                  "06_ddp_in_practice/train.py",
                  "07_sharding/train.py", "08_ddp_from_scratch/train.py",
+                 "09_tensor_parallel/train.py",
                  "03_multi_node/slurm/train.sbatch", "03_multi_node/slurm/local_cluster.sh"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()

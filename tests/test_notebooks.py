@@ -57,6 +57,10 @@ EXPECTED_TEXT = {
                             "all-reduces in one step, counted in the trace: after-backward 10, "
                             "buckets 4", "first all-reduce began during backward: "
                             "after-backward False, buckets True"],
+    "09_tensor_parallel": ["sum of the 2 partial outputs equals the whole model's: True",
+                           "drawing agrees with the measured bytes: True",
+                           "drawing agrees with the checkpoint's chunks: True",
+                           "both equal within 1e-6: True", "test accuracy:"],
 }
 
 

@@ -361,4 +361,35 @@ MUTANTS = [
         tests=("tests/test_08_ddp_from_scratch.py::"
                "test_bucket_sizes_follow_the_readmes_arithmetic[5-sizes1]",),
     ),
+    # --- lesson 09: tensor parallelism and 2-D ---
+    Mutant(
+        id="09-row-wise-without-all-reduce",
+        file="09_tensor_parallel/train.py",
+        find="RowwiseParallel() if i % 2",
+        replace="RowwiseParallel(output_layouts=torch.distributed.tensor.Partial()) if i % 2",
+        claim="TP on 2 ranks takes one process's steps: a row-wise layer all-reduces its sums.",
+        readme="09_tensor_parallel/README.md#column-wise-then-row-wise",
+        tests=("tests/test_09_tensor_parallel.py::"
+               "test_tensor_parallel_takes_the_steps_of_one_process",),
+    ),
+    Mutant(
+        id="09-tp-ranks-read-apart",
+        file="09_tensor_parallel/train.py",
+        find="prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)",
+        replace="prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)",
+        claim="The ranks of a TP group read the same batches; dp groups read different ones.",
+        readme="09_tensor_parallel/README.md#who-reads-what",
+        tests=("tests/test_09_tensor_parallel.py::"
+               "test_tensor_parallel_takes_the_steps_of_one_process",),
+    ),
+    Mutant(
+        id="09-test-counts-summed-over-tp",
+        file="09_tensor_parallel/train.py",
+        find="dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.dp_group)",
+        replace="dist.all_reduce(counts, op=dist.ReduceOp.SUM)",
+        claim="Each test wine is counted once, by its dp group, not once per TP rank.",
+        readme="09_tensor_parallel/README.md#who-reads-what",
+        tests=("tests/test_09_tensor_parallel.py::test_2d_takes_the_steps_of_ddp_on_the_dp_ranks",),
+        kind="refactor",
+    ),
 ]

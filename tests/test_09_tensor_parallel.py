@@ -1,0 +1,208 @@
+"""Lesson 09, run as a learner runs it: python 09_tensor_parallel/train.py (mp.spawn, gloo/CPU),
+and torchrun with a restart.
+
+Tensor parallelism on 2 ranks takes the steps of one process (lesson 02 at one rank, the same
+batch); 2-D, FSDP across 2 TP groups of 2, those of DDP on 2 ranks. The collectives of a step
+are the ones the README counts; a TP group's ranks read the same wines; the sharded checkpoint
+resumes bitwise and loads into another --tp. The GPU tier (NCCL) is at the end of this file.
+
+Tolerance: the split changes only the order of float32 sums (a row-wise layer adds the ranks'
+partial sums, about 1e-7 apart from one sum over all), and Adam's steps keep such differences
+near that size: 20 epochs end 1.2e-7 apart (measured; 2.1e-7 with --layers 3 in 3 epochs), so
+1e-6 leaves room and is still ten thousand times below what one wrong step moves (about the
+learning rate, 1e-2)."""
+
+import json
+import re
+import shutil
+
+import pytest
+
+from helpers import (
+    GPUS,
+    assert_good_run,
+    assert_one_line_error,
+    evaluate_single_process,
+    import_guard_rails,
+    import_lesson,
+    lesson02_run,
+    load_weights,
+    max_weight_difference,
+    read_metrics,
+    run_lesson,
+    run_torchrun,
+)
+
+LESSON = "09_tensor_parallel"
+CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
+TOLERANCE = 1e-6
+TP = ["--dp", 1, "--tp", 2, "--batch-size", 32]  # lesson 02's 1-rank run: batch 32
+TWO_D = ["--dp", 2, "--tp", 2, "--batch-size", 16]  # lesson 02's 2-rank run: 2 x 16
+
+
+def test_tensor_parallel_takes_the_steps_of_one_process(lesson_run):
+    result, out_dir = lesson_run(LESSON, *CPU, *TP)
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert (metrics["dp"], metrics["tp"]) == (1, 2)
+    assert max_weight_difference(out_dir, lesson02_run(lesson_run, 1)[1]) < TOLERANCE
+    # final.pt is the whole model, put together from the slices: lesson 01's model agrees.
+    assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+
+
+def test_2d_takes_the_steps_of_ddp_on_the_dp_ranks(lesson_run):
+    result, out_dir = lesson_run(LESSON, *CPU, *TWO_D)
+    metrics = assert_good_run(result, out_dir, world_size=4, min_accuracy=0.95)
+    assert max_weight_difference(out_dir, lesson02_run(lesson_run, 2)[1]) < TOLERANCE
+    assert max_weight_difference(out_dir, lesson02_run(lesson_run, 1)[1]) < TOLERANCE
+    assert metrics["test_total"] == 36  # each test wine counted once, not once per TP rank
+
+
+def test_a_tp_group_reads_the_same_wines_and_dp_groups_different_ones(lesson_run):
+    # Rank 0 prints each dp group's ranks, then the first 4 wines of each one's first batch.
+    result, _ = lesson_run(LESSON, *CPU, *TWO_D)
+    groups = re.findall(r"^dp group \d: ranks (\[.*?\]) .* same wines (\[.*\]), (\[.*\])$",
+                        result.stdout, re.MULTILINE)
+    assert [ranks for ranks, *_ in groups] == ["[0, 1]", "[2, 3]"], result.stdout
+    (_, first, second), (_, third, fourth) = groups
+    assert first == second and third == fourth  # within a TP group: the same wines
+    assert not set(json.loads(first)) & set(json.loads(third))  # across dp: none in common
+
+
+def collectives(result):
+    """{"forward": "...", "backward": "..."} as rank 0 printed them."""
+    line = next(line for line in result.stdout.splitlines() if line.startswith("collectives"))
+    forward, backward = line.split("rank 0: forward ")[1].split(" | backward ")
+    return {"forward": forward, "backward": backward}
+
+
+def test_the_collectives_of_a_step_are_the_readmes(lesson_run):
+    # TP alone: one all-reduce in forward (fc2's partial sums); none in backward, since fc1's
+    # input, the data, needs no gradient. --layers 3 adds a pair: one more each way.
+    assert collectives(lesson_run(LESSON, *CPU, *TP)[0]) == {"forward": "all-reduce 1",
+                                                             "backward": "none"}
+    deep, _ = lesson_run(LESSON, *CPU, *TP, "--layers", 3, "--epochs", 2)
+    assert collectives(deep) == {"forward": "all-reduce 2", "backward": "all-reduce 1"}
+    assert "predicts: forward all-reduce 2 (one per row-wise layer) | backward all-reduce 1" \
+        in deep.stdout
+    # 2-D adds FSDP's: each of fc1 and fc2 gathered in forward and again in backward, and its
+    # gradients reduce-scattered; TP's all-reduce stays.
+    two_d, _ = lesson_run(LESSON, *CPU, *TWO_D)
+    assert collectives(two_d) == {"forward": "all-gather 2, all-reduce 1",
+                                  "backward": "all-gather 2, reduce-scatter 2"}
+
+
+def test_deeper_pairs_take_lesson_08s_steps(lesson_run):
+    _, deep = lesson_run(LESSON, *CPU, *TP, "--layers", 3, "--epochs", 2)
+    _, one = lesson_run("08_ddp_from_scratch", *CPU, "--world-size", 1, "--grad-sync", "ddp",
+                        "--layers", 3, "--epochs", 2)
+    assert sorted(load_weights(deep)) == sorted(load_weights(one))
+    assert "hidden.1.weight" in load_weights(deep)
+    assert max_weight_difference(deep, one) < TOLERANCE
+
+
+@pytest.mark.parametrize("run, held", [(TP, [2188, 2188]), (TWO_D, [1160, 1160, 1028, 1028])])
+def test_each_rank_holds_its_slices(lesson_run, run, held):
+    # Lesson 01's model holds 1,091 parameters, 4,364 bytes. TP 2: fc1's 32 rows and biases,
+    # fc2's 32 input columns, fc2's bias whole: 416 + 32 + 96 + 3 = 547 parameters. 2-D: FSDP
+    # cuts each of those along dim 0 again: fc1 16 rows each, fc2's 3 rows as 2 and 1.
+    metrics = read_metrics(lesson_run(LESSON, *CPU, *run)[1])
+    assert [row["parameters"] for row in metrics["memory"]] == held
+    for row in metrics["memory"]:
+        assert row["gradients"] == row["parameters"]  # one gradient per parameter held
+        # Adam: two running averages per parameter, and one step count per tensor (4 bytes).
+        assert row["optimizer_state"] == 2 * row["parameters"] + 4 * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The checkpoint: torchrun restarts a crashed job, which resumes; another --tp loads it
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """torchrun, 2 ranks, TP 2: a checkpoint every epoch, rank 1 raises in epoch 2, torchrun
+    starts both again (--max-restarts 1), and they resume from epoch 1."""
+    out_dir = tmp_path_factory.mktemp("lesson09_restart")
+    result = run_torchrun(LESSON, *CPU, *TP, "--save-every", 1, "--out-dir", out_dir,
+                          torchrun_args=["--max-restarts", 1], patch="raise-on-rank-1")
+    return result, out_dir
+
+
+def test_torchrun_restarts_and_the_resume_is_bitwise(lesson_run, restarted):
+    result, out_dir = restarted
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "injected failure on rank 1" in result.stderr
+    assert "1 of 20 epochs done, written by --dp 1 --tp 2, loaded by --dp 1 --tp 2" \
+        in result.stdout
+    metrics = read_metrics(out_dir)
+    assert (metrics["launcher"], metrics["resumed_after_epoch"]) == ("torchrun", 1)
+    _, uninterrupted = lesson_run(LESSON, *CPU, *TP)
+    assert metrics["train_loss"] == read_metrics(uninterrupted)["train_loss"]
+    ours, theirs = load_weights(out_dir), load_weights(uninterrupted)
+    assert all((ours[name] == theirs[name]).all() for name in theirs)
+
+
+def test_the_checkpoint_loads_into_another_tp_and_trains_on(lesson_run, restarted, tmp_path):
+    # TP 2's slices, read by one process (--tp 1): one more epoch ends on lesson 02's 21st
+    # at one rank, which needs the weights and Adam's state both put back together.
+    _, out_dir = restarted
+    shutil.copytree(out_dir / "checkpoint", tmp_path / "checkpoint")
+    result = run_lesson(LESSON, *CPU, "--tp", 1, "--epochs", 21, "--out-dir", tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "written by --dp 1 --tp 2, loaded by --dp 1 --tp 1" in result.stdout
+    _, lesson02 = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 1, "--epochs", 21)
+    assert max_weight_difference(tmp_path, lesson02) < TOLERANCE
+    # A checkpoint of another shape: one line, before any rank starts.
+    result = run_lesson(LESSON, *CPU, "--layers", 3, "--epochs", 21, "--out-dir", tmp_path)
+    assert_one_line_error(result, "holds a model with --layers 1, not 3")
+
+
+# ---------------------------------------------------------------------------------------------
+# A mesh that cannot split the model: one line, before any rank starts
+# ---------------------------------------------------------------------------------------------
+def test_a_tp_that_does_not_divide_the_model_gets_one_line(tmp_path):
+    result = run_lesson(LESSON, *CPU, "--tp", 3, "--out-dir", tmp_path)
+    assert_one_line_error(result, "--tp 3 does not divide --hidden 64")
+    assert "starting" not in result.stdout
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    with pytest.raises(SystemExit) as stop:
+        guard_rails.check_tensor_parallel(lesson.parse_args(["--layers", "2"]))
+    assert stop.value.code.startswith("error: --layers 2 makes 3 linear layers")
+    assert "use an odd --layers" in stop.value.code
+
+
+def test_under_torchrun_dp_is_its_ranks_over_tp_or_one_line(monkeypatch):
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    args = lesson.parse_args(["--tp", "2"])
+    args.world_size = 8  # torchrun's WORLD_SIZE
+    guard_rails.check_tensor_parallel(args)
+    assert args.dp == 4
+    args = lesson.parse_args(["--tp", "2", "--dp", "3"])
+    args.world_size = 8
+    with pytest.raises(SystemExit) as stop:
+        guard_rails.check_tensor_parallel(args)
+    assert stop.value.code.startswith("error: --dp 3 x --tp 2 = 6 ranks, but torchrun started 8")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier: the same on NCCL
+# ---------------------------------------------------------------------------------------------
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine has {GPUS}")
+
+
+@needs_two
+@pytest.mark.gpu
+def test_gpu_tensor_parallel_matches_one_process(lesson_run):
+    result, out_dir = lesson_run(LESSON, "--backend", "nccl", *TP)
+    metrics = assert_good_run(result, out_dir, world_size=2, min_accuracy=0.95)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    _, one = lesson_run("02_multi_gpu_spawn", "--backend", "nccl", "--world-size", 1)
+    # cuBLAS picks its own order of sums for each shape: looser than on the CPU.
+    assert max_weight_difference(out_dir, one) < 1e-4
+
+
+@pytest.mark.skipif(GPUS != 1, reason="needs exactly 1 GPU: shows the gloo fallback note")
+@pytest.mark.gpu
+def test_gpu_one_gpu_and_two_ranks_fall_back_to_gloo(lesson_run):
+    result, out_dir = lesson_run(LESSON, *TP)
+    assert "note: 2 ranks but 1 GPU(s)" in result.stdout
+    assert read_metrics(out_dir)["backend"] == "gloo"
