@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Lesson 09: gathering a 2-D (FSDP x TP) model whole, for final.pt, warns once per rank that it
-# takes "2 sequential all_gather operations": a note on speed, for a gather made once a run.
+# Lesson 09 (tools/repro_tp_fsdp_warnings.py shows both): gathering a 2-D (FSDP x TP) model
+# whole, for final.pt, warns once per rank that it takes "2 sequential all_gather operations":
+# a note on speed, for a gather made once a run.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 # And FSDP warns that a layer split by TP "returned a view tensor" (TP's output, as a plain tensor,
 # is a view of the DTensor's), which an in-place op could break: the lesson's model makes none.

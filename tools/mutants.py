@@ -392,4 +392,14 @@ MUTANTS = [
         tests=("tests/test_09_tensor_parallel.py::test_2d_takes_the_steps_of_ddp_on_the_dp_ranks",),
         kind="refactor",
     ),
+    Mutant(
+        id="09-torch-warnings-shown",
+        file="09_tensor_parallel/guard_rails.py",
+        find='warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module',
+        replace='warnings.filterwarnings("default", message=r"FSDP2-wrapped module',
+        claim="A 2-D run prints the lesson's lines, not torch's warnings on what it never does.",
+        readme="09_tensor_parallel/README.md#2-d-fsdp-across-tp-groups",
+        tests=("tests/test_09_tensor_parallel.py::test_2d_takes_the_steps_of_ddp_on_the_dp_ranks",),
+        kind="refactor",
+    ),
 ]
