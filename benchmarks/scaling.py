@@ -11,7 +11,9 @@ independent plain processes at once (what N workers reach with no communication 
 nn.DataParallel on the same 2..N GPUs; the DDP knobs that matter, and the all-reduce bandwidth of
 the backend. Next to DDP, lesson 07's sharded strategies at every world size: ZeRO-1 (DDP with
 ZeroRedundancyOptimizer) and FSDP2 (fully_shard), with the bytes of parameters, gradients and
-optimizer state each rank holds, and on GPUs each rank's peak memory.
+optimizer state each rank holds, and on GPUs each rank's peak memory; and lesson 09's layouts of
+the wine MLP: tensor parallelism (tp, fc1 column-wise and fc2 row-wise over all the ranks) and
+2-D (dp x tp, FSDP over "dp" of TP groups of 2), whose TP ranks read the same batch.
 On GPUs ResNet-18 runs as it is trained there: 224x224 images, batch 256 per GPU, bf16 autocast,
 channels_last. Nothing is downloaded.
 
@@ -32,6 +34,7 @@ Run it:
     python benchmarks/scaling.py --quick                  # about a minute on a 2-core laptop
     python benchmarks/scaling.py                          # the full default, minutes
     python benchmarks/scaling.py --models resnet18 --max-world-size 4
+    python benchmarks/scaling.py --models wine-mlp --max-world-size 4   # tp on 2 and 4, 2d on 4
     python benchmarks/scaling.py --device cpu             # the CPU cases, even on a GPU node
     CUDA_VISIBLE_DEVICES=0,1 python benchmarks/scaling.py # NCCL DDP and DataParallel, 1-2 GPUs
     python benchmarks/scaling.py --models resnet18 --knobs none --sharded none \
@@ -55,6 +58,7 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -68,6 +72,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 MODELS = ("wine-mlp", "resnet18")
@@ -82,6 +87,12 @@ ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "processes", 
               "repeat_samples_per_s", "repeat_order")
 # Lesson 07's strategies, measured next to DDP at every world size.
 SHARDED = ("zero1", "fsdp")
+# Lesson 09's layouts of the wine MLP (its split_model): tp, every rank of the world size in one
+# TP group; 2d, dp x tp with TP groups of TP_2D ranks and FSDP across them. ResNet-18 has none:
+# the plan splits Linear layers, not convolutions.
+TENSOR_PARALLEL = ("tp", "2d")
+TP_2D = 2
+HIDDEN = 64  # the wine MLP's hidden units: fc1's output columns, dealt out over the TP ranks
 BANDWIDTH_FIELDS = ("backend", "device", "world_size", "size_bytes", "iters", "repeats",
                     "seconds_per_op", "seconds_per_op_min", "seconds_per_op_max", "algbw_GBps",
                     "busbw_GBps", "repeat_order")
@@ -92,6 +103,10 @@ LESSON08 = Path(__file__).resolve().parent.parent / "08_ddp_from_scratch"
 GRAD_SYNC = ("after-backward", "flat", "overlap", "buckets", "ddp")
 # Cases whose ranks never communicate while timed: each rank trains a model of its own.
 ALONE = ("plain", "single-process-all-cores", "ceiling")
+# FSDP warns, once per rank, that a layer split by TP "returned a view tensor" (TP's output, as a
+# plain tensor, is a view of the DTensor's), which an in-place op could break: the 2d case's MLP
+# makes none. The lessons' guard_rails.py silences it alike (tools/repro_tp_fsdp_warnings.py).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view")
 # Two medians of the same case, at the start and at the end of a run, further apart than this:
 # the machine's speed changed during the run, and its figures compare unlike conditions.
 NOISE_LIMIT_PCT = 5.0
@@ -290,7 +305,8 @@ def wrap_model(model, case, device, group=None):
     """The model as the case runs it: plain, DDP with the case's knob, or DataParallel.
 
     group: the process group DDP all-reduces over; None for every rank of the launch, a smaller
-    group for a case with fewer ranks than the launch has (the per-worker cases on the CPU)."""
+    group for a case with fewer ranks than the launch has (the per-worker cases on the CPU). For
+    tp and 2d, the case's dp x tp device mesh (build_mesh)."""
     if case["case"] == "dataparallel":
         # One process drives every GPU: it copies the model to each GPU at every forward pass
         # and gathers the outputs on the first; the classic comparison with DDP.
@@ -301,6 +317,8 @@ def wrap_model(model, case, device, group=None):
         return model
     if case["case"] == "fsdp":
         return shard_fully(model, case, device)
+    if case["case"] in TENSOR_PARALLEL:
+        return split_model(model, group)
     knob, value = case["knob"], case["knob_value"]
     options = {}
     if knob == "bucket_cap_mb":
@@ -338,6 +356,45 @@ def shard_fully(model, case, device):
     for unit in units:
         fully_shard(unit, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def tensor_layout(case, world_size):
+    """(dp, tp) of lesson 09's layout: tp, one TP group of every rank; 2d, TP groups of TP_2D."""
+    tp = world_size if case == "tp" else TP_2D
+    return world_size // tp, tp
+
+
+def build_mesh(dp, tp, device, timeout):
+    """Lesson 09's dp x tp device mesh (its build_mesh): row d holds the tp ranks of TP group d,
+    column t the dp ranks that hold the same slices; with 2 x 2, TP groups [0, 1] and [2, 3].
+
+    Its groups come from make_group, with --timeout: init_device_mesh would make them with the
+    30-minute default. Every rank of the launch makes every group, in the same order, members or
+    not (new_group's rule); a rank outside the dp x tp ranks gets None."""
+    ranks = torch.arange(dp * tp).view(dp, tp)
+    groups = {}
+    for name, lines in (("dp", ranks.T), ("tp", ranks)):
+        for line in lines:
+            group = make_group(timeout, line.tolist())
+            if dist.get_rank() in line.tolist():
+                groups[name] = group
+    if not groups:
+        return None
+    return DeviceMesh.from_group([groups["dp"], groups["tp"]], device.type, mesh=ranks,
+                                 mesh_dim_names=("dp", "tp"))
+
+
+def split_model(model, mesh):
+    """Lesson 09's split_model on the wine MLP: tensor parallel across "tp" (fc1 column-wise,
+    fc2 row-wise: each rank holds 64/tp hidden units, and one all-reduce per forward puts fc2's
+    output together), then FSDP across "dp" on each layer and the root, if dp > 1. Every rank
+    built the same model from the same seed, so each slice is the one it keeps."""
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    if mesh["dp"].size() > 1:
+        for layer in (model.fc1, model.fc2):
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model
 
 
 def build_optimizer(model, case):
@@ -414,7 +471,7 @@ def make_step(model, optimizer, batch, case, device, finish=None):
 
 
 def build_training_case(case, device, group):
-    """A training case, built once per launch and warmed up.
+    """A training case, built once per launch and warmed up. group: as wrap_model's.
 
     Returns (work, held): work() runs one repeat, the case's `steps` timed forward/backward
     passes; held is memory_held's figures for this rank."""
@@ -423,8 +480,11 @@ def build_training_case(case, device, group):
     if device.type == "cuda":
         allocated_before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+    # Every rank its own batch, but the ranks of one TP group the same one (its dp row's): they
+    # compute one model's step together, as lesson 09's sampler deals batches over "dp" only.
+    seed = group["dp"].get_local_rank() if case["case"] in TENSOR_PARALLEL else dist.get_rank()
     features, labels = make_batch(case["model"], case["batch_per_rank"] * devices,
-                                  case["image_size"], device, seed=dist.get_rank())
+                                  case["image_size"], device, seed=seed)
     model, features = prepare(build_model(case["model"]), features, case, device)
     finish = None
     if case["case"] == "lesson08":
@@ -523,7 +583,11 @@ def summarise(case, seconds, order, held, processes):
 
 
 def case_name(case):
-    """'ddp', a knob as 'static_graph=True', or lesson 08's mode as 'lesson08 buckets'."""
+    """'ddp', a knob as 'static_graph=True', lesson 08's mode as 'lesson08 buckets', or lesson
+    09's layout with its mesh as '2d (dp 2 x tp 2)'."""
+    if case["case"] in TENSOR_PARALLEL:
+        dp, tp = tensor_layout(case["case"], case["world_size"])
+        return f"{case['case']} (dp {dp} x tp {tp})"
     if case["knob"] is None:
         return case["case"]
     if case["case"] == "lesson08":
@@ -563,8 +627,15 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
         # A DDP case with fewer ranks than this launch (per worker, on the CPU) all-reduces in a
         # group of its own ranks.
         smaller = sorted({c["world_size"] for c in cases if c["world_size"] < world_size
-                          and c["case"] not in (*ALONE, "dataparallel")})
+                          and c["case"] not in (*ALONE, "dataparallel", *TENSOR_PARALLEL)})
         subgroups = {size: make_group(args.timeout, list(range(size))) for size in smaller}
+        # A tp or 2d case runs on its dp x tp mesh, one per layout, made by every rank.
+        meshes = {}
+        for case in cases:
+            if case["case"] in TENSOR_PARALLEL:
+                layout = tensor_layout(case["case"], case["world_size"])
+                if layout not in meshes:
+                    meshes[layout] = build_mesh(*layout, device, args.timeout)
         works, held = [], []
         for case in cases:
             torch.set_num_threads(case["threads_per_rank"])
@@ -572,6 +643,9 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
                 work, mine = (lambda: None), [0, 0, 0, -1]  # not one of this case's ranks
             elif case["case"] == "allreduce":
                 work, mine = build_allreduce_case(case, device, groups)
+            elif case["case"] in TENSOR_PARALLEL:
+                mesh = meshes[tensor_layout(case["case"], case["world_size"])]
+                work, mine = build_training_case(case, device, mesh)
             else:
                 work, mine = build_training_case(case, device, subgroups.get(case["world_size"]))
             works.append(work)
@@ -699,6 +773,11 @@ def plan_cases(args, device_type, cores):
     def training(model, case, world_size, threads=None, batch=None, knob=None, value=None,
                  accumulate=1, run_in=None):
         batch = batch or args.batch_size
+        # The ranks that read batches of their own: all of them, but for tp and 2d only one rank
+        # per TP group (dp of them), since the ranks of a TP group read the same batch and
+        # compute one step of one model together. Its samples/s counts that batch once.
+        readers = (tensor_layout(case, world_size)[0] if case in TENSOR_PARALLEL
+                   else world_size)
         steps = args.steps if model == "resnet18" else args.mlp_steps
         images = model == "resnet18"
         case = {
@@ -708,7 +787,7 @@ def plan_cases(args, device_type, cores):
             # The ranks share the cores evenly, so that more ranks do not simply mean more
             # threads than cores fighting each other. 1 rank gets every core.
             "threads_per_rank": threads or max(1, cores // world_size),
-            "batch_per_rank": batch, "global_batch": batch * world_size, "accumulate": accumulate,
+            "batch_per_rank": batch, "global_batch": batch * readers, "accumulate": accumulate,
             # no_sync runs at least as many forward/backward passes as the others, in fewer
             # optimizer steps.
             "steps": -(-steps // accumulate) * accumulate, "warmup": args.warmup,
@@ -740,6 +819,11 @@ def plan_cases(args, device_type, cores):
             # Lesson 07's sharded strategies, on the same ranks, threads and batch as DDP.
             for strategy in args.sharded:
                 training(model, strategy, world_size)
+            # Lesson 09's layouts, on the same ranks, threads and batch per rank, where the
+            # world size has the layout (tensor_parallel_sizes).
+            for layout in args.tensor_parallel if model == "wine-mlp" else []:
+                if world_size in tensor_parallel_sizes(layout, top):
+                    training(model, layout, world_size)
         if device_type == "cpu":
             # One process with every core and the largest DDP run's global batch: the same work
             # per step, without DDP. On a laptop this is the number to beat.
@@ -768,6 +852,20 @@ def plan_cases(args, device_type, cores):
     if device_type == "cuda" and top == 1:
         skipped.append("nn.DataParallel: on one GPU it calls the model itself, so it would "
                        "only repeat the plain model; it needs 2 or more GPUs")
+
+    if args.tensor_parallel and "resnet18" in args.models:
+        skipped.append(f"resnet18 {', '.join(args.tensor_parallel)}: lesson 09's plan splits "
+                       "Linear layers (fc1 column-wise, fc2 row-wise), not convolutions; "
+                       "ResNet-18 has no tensor-parallel case")
+    for layout in args.tensor_parallel if "wine-mlp" in args.models else []:
+        left_out = [size for size in world_sizes if size not in tensor_parallel_sizes(layout, top)]
+        if left_out:
+            sizes = ", ".join(map(str, left_out))
+            why = (f"one TP group of every rank needs 2 or more ranks that divide fc1's "
+                   f"{HIDDEN} hidden units" if layout == "tp" else
+                   f"dp x tp with tp = {TP_2D} needs an even world size of 4 or more"
+                   + ("; use --max-world-size 4" if top < 4 else ""))
+            skipped.append(f"wine-mlp {layout} at world size(s) {sizes}: {why}")
 
     knob_model = "resnet18" if "resnet18" in args.models else args.models[0]
     if args.sharded and top == 1:
@@ -818,6 +916,15 @@ def plan_cases(args, device_type, cores):
     return {world_size: cases for world_size, cases in plan.items() if cases}, backend, skipped
 
 
+def tensor_parallel_sizes(layout, top):
+    """The world sizes 1..top at which lesson 09's layout runs: tp at 2+ ranks that divide the
+    hidden units (fc2 is row-wise: its 3 outputs are whole on every rank, its 64 inputs split),
+    2d at even world sizes of 4 or more (dp = world size / 2, at least 2)."""
+    if layout == "tp":
+        return [n for n in range(2, top + 1) if HIDDEN % n == 0]
+    return [n for n in range(2 * TP_2D, top + 1) if n % TP_2D == 0 and HIDDEN % TP_2D == 0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Results: speed-ups, files, table, plot
 # ---------------------------------------------------------------------------------------------
@@ -843,15 +950,19 @@ def add_speedups(rows):
             # process has no N to divide by.
             if row["case"] not in ("plain", "single-process-all-cores"):
                 row["efficiency"] = row["speedup"] / row["world_size"]
-        # DDP (any knob), ZeRO-1 or FSDP against N independent processes with the same threads
-        # and batch per rank: 1.0 is all that this machine allows N workers, so what is missing
-        # is what the communication costs.
+        # DDP (any knob), ZeRO-1, FSDP, TP or 2-D against N independent processes with the same
+        # threads and batch per rank: 1.0 is all that this machine allows N workers, so what is
+        # missing is what the communication costs. (A TP group of N that split each batch's
+        # work evenly would reach it: each rank's share of a step, 1/N of the work, in 1/N of
+        # the time.)
         if (ceiling and row["case"] not in (*ALONE, "dataparallel")
                 and (row["threads_per_rank"], row["batch_per_rank"]) ==
                 (ceiling["threads_per_rank"], ceiling["batch_per_rank"])):
             row["efficiency_vs_ceiling"] = row["samples_per_s"] / ceiling["samples_per_s"]
-        # A knob, or a sharded strategy, against DDP with default settings on as many ranks.
-        if default and (row["knob"] is not None or row["case"] in SHARDED):
+        # A knob, a sharded strategy or a TP layout, against DDP with default settings on as
+        # many ranks. (tp and 2d have no 1-rank case of their own: their speed-up is against
+        # DDP at 1 rank, the same model's step in one process.)
+        if default and (row["knob"] is not None or row["case"] in (*SHARDED, *TENSOR_PARALLEL)):
             row["vs_default"] = row["samples_per_s"] / default["samples_per_s"]
         # What wrapping the model in DDP costs when there is nobody to talk to: DDP with 1 rank
         # against the plain model with the same threads, same loop, measured side by side
@@ -895,7 +1006,8 @@ def print_tables(rows, bandwidth_rows):
           "ddp-per-worker, ceiling, zero1 and fsdp against 1 rank of the same case; vs ceiling = "
           "against as many independent processes with the same threads and batch; vs default = "
           "against DDP with default settings at the same world size; DDP cost = 1 - DDP/plain "
-          "at world size 1")
+          "at world size 1; tp and 2d count each TP group's batch once (batch = batch per rank "
+          "x dp)")
     header = (f"{'model':9} {'case':30} {'ws':>3} {'thr':>4} {'batch':>6} {'samples/s':>10} "
               f"{'min-max':>15} {'speed-up':>9} {'effic.':>7} {'vs ceil.':>8} "
               f"{'vs default':>10} {'DDP cost':>8}")
@@ -980,11 +1092,13 @@ def held_bytes(row):
 
 
 def print_memory(rows):
-    """What each rank holds under DDP, ZeRO-1 and FSDP, and what sharding costs in samples/s."""
-    cases, models = ("ddp", *SHARDED), list(dict.fromkeys(r["model"] for r in rows))
+    """What each rank holds under DDP, ZeRO-1, FSDP, TP and 2-D, and what sharding costs in
+    samples/s."""
+    split = (*SHARDED, *TENSOR_PARALLEL)
+    cases, models = ("ddp", *split), list(dict.fromkeys(r["model"] for r in rows))
     mine = sorted((r for r in rows if r["case"] in cases and r["knob"] is None),
                   key=lambda r: (models.index(r["model"]), r["world_size"], cases.index(r["case"])))
-    if not any(r["case"] in SHARDED for r in mine):
+    if not any(r["case"] in split for r in mine):
         return
     print("\nMemory per rank, MiB (the most loaded rank, after the last step; optimizer: SGD's "
           "momentum, one tensor per parameter; peak: torch.cuda.max_memory_allocated, N/A on "
@@ -1005,7 +1119,7 @@ def print_memory(rows):
     top = max(r["world_size"] for r in mine)
     for model in dict.fromkeys(r["model"] for r in mine):
         ddp = find_row(rows, model, "ddp", top)
-        for case in SHARDED:
+        for case in split:
             row = find_row(rows, model, case, top)
             if row and ddp:
                 share = held_bytes(row) / held_bytes(ddp)
@@ -1051,10 +1165,14 @@ def plot(rows, bandwidth_rows, path):
                     color="tab:purple", alpha=0.5, label="its ideal linear scaling")
             curve(ax, [r for r in mine if r["case"] == "ceiling"], "x--", color="tab:gray",
                   label="ceiling: as many independent processes, no communication")
-        for case, marker in zip(SHARDED, ("v-", "D-"), strict=True):
+        for case, marker, style in (
+                ("zero1", "v-", {"label": "ZeRO-1"}), ("fsdp", "D-", {"label": "FSDP"}),
+                ("tp", "P-", {"label": "TP, one group of all ranks", "color": "tab:brown"}),
+                ("2d", "*-", {"label": f"2-D, dp x tp with tp = {TP_2D}",
+                              "color": "tab:olive"})):
             sharded = [r for r in mine if r["case"] == case]
             if sharded:
-                curve(ax, sharded, marker, label={"zero1": "ZeRO-1", "fsdp": "FSDP"}[case])
+                curve(ax, sharded, marker, **style)
         dataparallel = [r for r in mine if r["case"] == "dataparallel"]
         if dataparallel:
             curve(ax, dataparallel, "s-", label="DataParallel")
@@ -1156,6 +1274,10 @@ def main(args):
         print(f"wine-mlp: random 13-feature rows, batch {args.batch_size} per rank, "
               f"{args.mlp_steps} timed steps per repeat after {args.warmup} warm-up steps",
               flush=True)
+        if args.tensor_parallel:
+            print(f"wine-mlp {', '.join(args.tensor_parallel)}: lesson 09's layouts; the ranks "
+                  f"of a TP group read the same batch, so its samples/s counts it once "
+                  f"(global batch = batch per rank x dp)", flush=True)
     for reason in skipped:
         print(f"skipped: {reason}", flush=True)
     print(f"{total} cases over world sizes 1..{args.max_world_size} ({backend}), each the "
@@ -1311,6 +1433,11 @@ def parse_args(argv=None):
     parser.add_argument("--sharded", default=",".join(SHARDED),
                         help="lesson 07's strategies to measure next to DDP at every world size, "
                              "comma-separated, or none")
+    parser.add_argument("--tensor-parallel", default=",".join(TENSOR_PARALLEL),
+                        help="lesson 09's layouts of the wine MLP to measure next to DDP, "
+                             "comma-separated, or none: tp, every rank in one TP group (world "
+                             f"sizes 2+ that divide its {HIDDEN} hidden units); 2d, dp x tp "
+                             f"with tp = {TP_2D} (even world sizes of 4 or more)")
     parser.add_argument("--grad-sync", default="none",
                         help="lesson 08's gradient synchronisations to measure on ResNet-18 at "
                              "the largest world size (on the CPU with the per-worker threads), "
@@ -1351,6 +1478,7 @@ def parse_args(argv=None):
     args.models = parse_list(args.models, MODELS, "--models")
     args.knobs = parse_list(args.knobs, KNOBS, "--knobs")
     args.sharded = parse_list(args.sharded, SHARDED, "--sharded")
+    args.tensor_parallel = parse_list(args.tensor_parallel, TENSOR_PARALLEL, "--tensor-parallel")
     args.grad_sync = parse_list(args.grad_sync, GRAD_SYNC, "--grad-sync")
     if args.grad_sync and not (LESSON08 / "train.py").exists():
         fail(f"--grad-sync needs lesson 08's {LESSON08 / 'train.py'}, which is missing; run "

@@ -108,20 +108,27 @@ def test_rows_have_the_schema(cpu_run):
                      and r["knob"] is None}
             assert sizes == {1, 2}, (model, case)
         cases = {r["case"] for r in rows if r["model"] == model}
+        # Lesson 09's tp on the MLP only (at 2 ranks: 1 has nothing to split, and 2d needs 4).
         assert cases == {"plain", "ddp", "zero1", "fsdp", "single-process-all-cores",
-                         "ddp-per-worker", "ceiling"}, cases
+                         "ddp-per-worker", "ceiling"} | ({"tp"} if model == "wine-mlp" else
+                                                          set()), cases
         base = next(r for r in rows if r["model"] == model and r["case"] == "ddp"
                     and r["world_size"] == 1)
         assert base["speedup"] == pytest.approx(1.0) and base["efficiency"] == pytest.approx(1.0)
+    assert [r["world_size"] for r in rows if r["case"] == "tp"] == [2]
 
 
 def test_threads_are_split_between_ranks(cpu_run):
     _, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "results")
     for row in rows:
-        if row["case"] in ("ddp", "zero1", "fsdp"):
+        if row["case"] in ("ddp", "zero1", "fsdp", "tp"):
             assert row["threads_per_rank"] == max(1, CORES // row["world_size"]), row
+        if row["case"] in ("ddp", "zero1", "fsdp"):
             assert row["global_batch"] == row["batch_per_rank"] * row["world_size"], row
+        if row["case"] == "tp":
+            # The 2 ranks of the TP group read the same batch: it counts once (dp = 1).
+            assert row["global_batch"] == row["batch_per_rank"] == 2, row
         if row["case"] == "single-process-all-cores":
             assert (row["threads_per_rank"], row["global_batch"]) == (CORES, 4), row
         if row["case"] in ("ddp-per-worker", "ceiling"):
@@ -194,7 +201,7 @@ def test_derived_figures_are_their_formulas(cpu_run):
         assert f"against this ceiling is {per_worker['efficiency_vs_ceiling']:.0%}" in \
             result.stdout
         for row in (r for r in rows if r["model"] == model):
-            has_ceiling = row["case"] in ("ddp", "ddp-per-worker", "zero1", "fsdp") and \
+            has_ceiling = row["case"] in ("ddp", "ddp-per-worker", "zero1", "fsdp", "tp") and \
                 row["threads_per_rank"] == ceiling["threads_per_rank"]
             assert (row["efficiency_vs_ceiling"] is not None) == has_ceiling, row
         alone = find(model, "ceiling", 1)
@@ -207,6 +214,14 @@ def test_derived_figures_are_their_formulas(cpu_run):
                 row = find(model, case, world_size)
                 assert row["vs_default"] == pytest.approx(
                     row["samples_per_s"] / find(model, "ddp", world_size)["samples_per_s"]), row
+    # TP has no 1-rank case: its speed-up is against DDP at 1 rank, as DDP's own.
+    tp, ddp1 = find("wine-mlp", "tp", 2), find("wine-mlp", "ddp", 1)
+    assert tp["speedup"] == pytest.approx(tp["samples_per_s"] / ddp1["samples_per_s"]), tp
+    assert tp["efficiency"] == pytest.approx(tp["speedup"] / 2), tp
+    assert tp["vs_default"] == pytest.approx(
+        tp["samples_per_s"] / find("wine-mlp", "ddp", 2)["samples_per_s"]), tp
+    assert tp["efficiency_vs_ceiling"] == pytest.approx(
+        tp["samples_per_s"] / find("wine-mlp", "ceiling", 2)["samples_per_s"]), tp
     only = [(r["model"], r["case"], r["world_size"]) for r in rows
             if r["ddp_cost_pct"] is not None]
     assert sorted(only) == sorted((model, case, 1) for model in ("wine-mlp", "resnet18")
@@ -231,6 +246,14 @@ def fsdp_rank0_bytes(tensors, world_size):
     rank: each tensor cut along dim 0 into chunks of ceil(rows / N) rows, rank 0's a full one."""
     return sum(fsdp_rows(p.shape[0], 0, world_size) * p[0].numel() * p.element_size()
                for p in tensors)
+
+
+def tensor_parallel_bytes(dp, tp, dp_rank=0):
+    """Bytes of the wine MLP's parameters on one rank of lesson 09's dp x tp layout: fc1
+    column-wise (64/tp of its rows and of its bias), fc2 row-wise (64/tp of its columns, its bias
+    whole), then FSDP over dp cutting each piece along dim 0 (fsdp_rows)."""
+    shapes = [(64 // tp, 13), (64 // tp, 1), (3, 64 // tp), (3, 1)]  # (rows, elements per row)
+    return sum(4 * fsdp_rows(rows, dp_rank, dp) * per_row for rows, per_row in shapes)
 
 
 def test_memory_per_rank_is_each_strategys_share(cpu_run):
@@ -258,6 +281,161 @@ def test_memory_per_rank_is_each_strategys_share(cpu_run):
         assert whole / 2 <= optimizer <= whole / 2 + largest
         assert optimizer < whole
     assert "fsdp on 2 ranks holds 50% of DDP's" in result.stdout, result.stdout
+    # TP on 2 ranks: 416 + 32 of fc1, 96 + 3 of fc2 = 547 parameters, 2,188 bytes, and as many
+    # of gradients and of momentum (DTensors: each rank's local slices, to_local()).
+    row = next(r for r in rows if r["case"] == "tp")
+    assert tensor_parallel_bytes(1, 2) == 547 * 4 == 2188
+    assert [row[field] for field in MEMORY] == [2188] * 3, row
+    assert "tp on 2 ranks holds 50% of DDP's" in result.stdout, result.stdout
+
+
+# Lesson 09's layouts on 4 ranks (tp 4, and 2d: dp 2 x tp 2), without a whole run's 1..4 launches
+# (over a minute here): four gloo ranks forked from one process that imported the benchmark once.
+# First they build the tp and 2d cases with build_training_case (one warm-up step), recording the
+# batch each rank read and the model it trained, and rank 0 prints every rank's batch, the bytes
+# each rank holds, and how far the trained model's parameters (gathered whole) are from one
+# process's step on the dp rows' batches. Then, in a process group of their own, they run the
+# benchmark's own worker() on the 4-rank launch's tp, 2d and ddp cases, and the parent prints
+# its rows.
+FOUR_RANKS = """
+import importlib.util, json, multiprocessing, os, sys
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+spec = importlib.util.spec_from_file_location("scaling", sys.argv[1])
+scaling = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(scaling)
+out_dir = sys.argv[2]
+args = scaling.parse_args([*sys.argv[3:], "--device", "cpu", "--max-world-size", "4",
+                           "--models", "wine-mlp", "--knobs", "none", "--sharded", "none",
+                           "--out-dir", out_dir])
+plan, _, _ = scaling.plan_cases(args, "cpu", scaling.cpu_cores())
+cases = [c for c in plan[4] if c["case"] in ("ddp", "tp", "2d") and c["world_size"] == 4]
+for index, case in enumerate(cases, 1):
+    case["index"] = index
+partial = os.path.join(out_dir, "rows.json")
+
+
+def check(rank):
+    device = scaling.setup_process_group(rank, 4, "gloo", 60)
+    seen, trained = [], []
+    make_batch, build_optimizer = scaling.make_batch, scaling.build_optimizer
+    scaling.make_batch = lambda *a, **k: seen.append(make_batch(*a, **k)) or seen[-1]
+    scaling.build_optimizer = lambda model, case: trained.append(model) or build_optimizer(
+        model, case)
+    report = {}
+    for case in (c for c in cases if c["case"] in ("tp", "2d")):
+        dp, tp = scaling.tensor_layout(case["case"], 4)
+        mesh = scaling.build_mesh(dp, tp, device, 60)
+        _, held = scaling.build_training_case({**case, "warmup": 1}, device, mesh)
+        whole = [p.full_tensor() for p in trained[-1].parameters()]
+        batches, helds = [None] * 4, [None] * 4
+        dist.all_gather_object(batches, [t.tolist() for t in seen[-1]])
+        dist.all_gather_object(helds, held)
+        if rank == 0:
+            # One process, one step on the dp rows' batches: FSDP averages the dp rows'
+            # gradients, and each row's loss is the mean over its batch of the same size.
+            plain = scaling.build_model("wine-mlp")
+            optimizer = build_optimizer(plain, {"case": "ddp"})
+            rows = [batches[d * tp] for d in range(dp)]
+            features = torch.tensor([x for row in rows for x in row[0]])
+            labels = torch.tensor([y for row in rows for y in row[1]])
+            F.cross_entropy(plain(features), labels).backward()
+            optimizer.step()
+            report[case["case"]] = {
+                "batches": batches, "held": helds,
+                "difference": max((a - b).abs().max().item()
+                                  for a, b in zip(whole, plain.parameters(), strict=True))}
+    if rank == 0:
+        print("CHECK " + json.dumps(report), flush=True)
+    scaling.make_batch, scaling.build_optimizer = make_batch, build_optimizer
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def rank(r, ports):
+    os.environ["MASTER_PORT"] = ports[0]
+    check(r)
+    os.environ["MASTER_PORT"] = ports[1]
+    scaling.worker(r, 4, "gloo", cases, len(cases), args, partial)  # ends in os._exit(0)
+
+
+os.environ["MASTER_ADDR"] = "127.0.0.1"
+ports = [str(scaling.find_free_port()) for _ in range(2)]
+ranks = [multiprocessing.get_context("fork").Process(target=rank, args=(r, ports))
+         for r in range(4)]
+for process in ranks:
+    process.start()
+for process in ranks:
+    process.join(180)
+print("exit codes", [process.exitcode for process in ranks], flush=True)
+with open(partial) as f:
+    print("ROWS " + json.dumps(scaling.add_speedups(json.load(f))), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """{"rows": the 4-rank launch's rows, "check": the batches, bytes and difference above}."""
+    out_dir = tmp_path_factory.mktemp("four_ranks")
+    # TINY, with 4 MLP steps per repeat instead of 10: the figures are not what is checked.
+    result = subprocess.run([sys.executable, "-c", FOUR_RANKS, str(SCRIPT), str(out_dir),
+                             *map(str, [*TINY, "--mlp-steps", 4, "--timeout", 60])],
+                            cwd=ROOT, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert "exit codes [0, 0, 0, 0]" in result.stdout, output
+    found = {key: json.loads(line.split(" ", 1)[1]) for line in result.stdout.splitlines()
+             for key in ("ROWS", "CHECK") if line.startswith(key + " ")}
+    assert set(found) == {"ROWS", "CHECK"}, output
+    return {"rows": found["ROWS"], "check": found["CHECK"]}
+
+
+def test_tensor_parallel_rows_on_four_ranks(four_ranks):
+    """tp 4 (dp 1 x tp 4) and 2d (dp 2 x tp 2) beside DDP on the same 4 ranks: the group's
+    batch counted once (global batch = batch per rank x dp), the median of the repeats with its
+    spread, and the bytes the most loaded rank holds: tp 4 holds 275 parameters (1,100 bytes),
+    2d's dp rank 0 290 (1,160; fc2's 3 rows split 2 and 1 by FSDP)."""
+    rows = {row["case"]: row for row in four_ranks["rows"]}
+    assert set(rows) == {"ddp", "tp", "2d"}
+    for case, dp, held in (("tp", 1, 1100), ("2d", 2, 1160)):
+        row = rows[case]
+        for field, kind in ROW_TYPES.items():
+            assert isinstance(row[field], kind), (field, row)
+        assert (row["model"], row["world_size"], row["processes"], row["knob"]) == \
+            ("wine-mlp", 4, 4, None), row
+        assert row["threads_per_rank"] == rows["ddp"]["threads_per_rank"], row
+        assert row["global_batch"] == row["batch_per_rank"] * dp == 2 * dp, row
+        assert row["repeats"] == len(row["repeat_samples_per_s"]) == REPEATS, row
+        assert row["samples_per_s"] == pytest.approx(
+            statistics.median(row["repeat_samples_per_s"])), row
+        assert row["samples_per_s_min"] <= row["samples_per_s"] <= row["samples_per_s_max"]
+        samples = row["global_batch"] * row["steps"]
+        assert row["seconds"] == pytest.approx(
+            statistics.median(samples / x for x in row["repeat_samples_per_s"])), row
+        assert [row[field] for field in MEMORY] == [held] * 3, row
+        assert row["vs_default"] == pytest.approx(
+            row["samples_per_s"] / rows["ddp"]["samples_per_s"]), row
+    assert tensor_parallel_bytes(1, 4) == 1100
+    assert tensor_parallel_bytes(2, 2, 0) == 1160 and tensor_parallel_bytes(2, 2, 1) == 1028
+
+
+def test_tensor_parallel_ranks_read_one_batch_and_train_one_model(four_ranks):
+    """The ranks of a TP group read the same batch, the dp rows different ones, and one step of
+    the split model is one process's step on the dp rows' batches: a TP group whose ranks read
+    different batches, or a layer split the wrong way, fails here. Every rank's bytes: 2d's dp
+    rank 1 (ranks 2 and 3) holds fc2's one short row, 257 parameters (1,028 bytes)."""
+    check = four_ranks["check"]
+    assert set(check) == {"tp", "2d"}
+    tp, two_d = check["tp"], check["2d"]
+    assert all(batch == tp["batches"][0] for batch in tp["batches"]), tp["batches"]
+    assert two_d["batches"][0] == two_d["batches"][1] != two_d["batches"][2] == \
+        two_d["batches"][3], two_d["batches"]
+    for report in (tp, two_d):
+        assert report["difference"] < 1e-6, report["difference"]
+    assert [held[:3] for held in tp["held"]] == [[1100] * 3] * 4
+    assert [held[:3] for held in two_d["held"]] == \
+        [[1160] * 3, [1160] * 3, [1028] * 3, [1028] * 3]
 
 
 def test_fsdp_refuses_channels_last_which_its_rows_avoid():
@@ -308,11 +486,18 @@ def test_bus_bandwidth_is_algbw_times_2_n_minus_1_over_n(world_size, factor):
 
 def test_progress_and_table_are_printed(cpu_run):
     result, _ = cpu_run
-    assert "[1/35] wine-mlp plain ws=1" in result.stdout, result.stdout
-    assert "[3/35] wine-mlp zero1 ws=1" in result.stdout, result.stdout
-    assert "[11/35] resnet18 plain (noise check, before the rounds) ws=1" in result.stdout
-    assert "[34/35] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
-    assert "[35/35] resnet18 plain (noise check, after the rounds) ws=1" in result.stdout
+    assert "[1/36] wine-mlp plain ws=1" in result.stdout, result.stdout
+    assert "[3/36] wine-mlp zero1 ws=1" in result.stdout, result.stdout
+    assert "[11/36] resnet18 plain (noise check, before the rounds) ws=1" in result.stdout
+    assert "[15/36] wine-mlp tp (dp 1 x tp 2) ws=2" in result.stdout, result.stdout
+    assert "[35/36] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
+    assert "[36/36] resnet18 plain (noise check, after the rounds) ws=1" in result.stdout
+    # What lesson 09's layouts leave out, and why, the way other skipped cases are reported.
+    for line in ("skipped: resnet18 tp, 2d: lesson 09's plan splits Linear layers",
+                 "skipped: wine-mlp tp at world size(s) 1: one TP group of every rank needs 2",
+                 "skipped: wine-mlp 2d at world size(s) 1, 2: dp x tp with tp = 2 needs an even "
+                 "world size of 4 or more; use --max-world-size 4"):
+        assert line in result.stdout, result.stdout
     assert f"world size 2: round {REPEATS}/{REPEATS} done" in result.stdout, result.stdout
     assert "GPU cases (NCCL DDP, DataParallel, NCCL vs gloo on GPU tensors) skipped" in \
         result.stdout
@@ -434,6 +619,7 @@ def test_bad_input_is_one_line_error(tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["--knobs", "fast"], "--knobs: unknown fast"),
+    (["--tensor-parallel", "3d"], "--tensor-parallel: unknown 3d"),
     (["--allreduce-sizes", "lots"], "--allreduce-sizes"),
     (["--max-world-size", "0"], "--max-world-size must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
@@ -527,7 +713,11 @@ def test_two_gpus_plan_dataparallel_bandwidth_and_knobs_at_two(pretend_gpus):
     args = scaling.parse_args([])
     plan, _, skipped = scaling.plan_cases(args, "cuda", CORES)
     cases = [case for cases in plan.values() for case in cases]
-    assert skipped == []
+    # Only lesson 09's layouts that 2 GPUs cannot have: tp on 1, 2d below 4, none on ResNet-18.
+    assert [line.split(":")[0] for line in skipped] == [
+        "resnet18 tp, 2d", "wine-mlp tp at world size(s) 1", "wine-mlp 2d at world size(s) 1, 2"]
+    assert [(c["model"], c["case"], c["world_size"], c["global_batch"]) for c in cases
+            if c["case"] in ("tp", "2d")] == [("wine-mlp", "tp", 2, 256)]
     assert {c["world_size"] for c in cases if c["case"] == "dataparallel"} == {2}
     assert {(c["backend"], c["world_size"]) for c in cases if c["case"] == "allreduce"} == \
         {("nccl", 2), ("gloo", 2)}
