@@ -287,7 +287,7 @@ def show_who_reads_what(rank, mesh, train_loader):
     dist.all_gather_object(firsts, first)
     if rank == 0:
         for d, row in enumerate(mesh.mesh.tolist()):
-            print(f"dp group {d}: ranks {row} split each layer (tp) and read the same wines "
+            print(f"TP group {d} (dp rank {d}): ranks {row} split each layer and read the same wines "
                   + ", ".join(f"{firsts[r]}" for r in row), flush=True)
 
 
@@ -339,7 +339,7 @@ class Trainer:
         with CommDebugMode() if first else contextlib.nullcontext() as backward:
             # Backward runs the pairs in reverse: a column-wise layer's input gradient is again a
             # partial sum per rank, all-reduced (not fc1's: its input, the data, needs none).
-            # FSDP then reduce-scatters each slice's gradient over "dp": the mean over dp groups.
+            # FSDP then reduce-scatters each slice's gradient over "dp": the mean over the TP groups.
             loss.backward()
         if first:
             self.collectives = {"forward": count_collectives(forward),
@@ -365,7 +365,7 @@ class Trainer:
     def evaluate(self):
         """Count correct predictions over the whole test set."""
         self.model.eval()
-        # A stride over the dp groups: each test wine in exactly one group, whose TP ranks all
+        # A stride over the TP groups (by dp rank): each test wine in exactly one, whose ranks all
         # compute it together. Every rank calls the model, even with no test wines: TP's
         # all-reduces and FSDP's all-gathers need every rank of their groups.
         dp_rank, dp = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
@@ -449,8 +449,8 @@ def main(rank, local_rank, args):
     baseline = memory_baseline(device)  # before the model, so the peak covers all of training
     train_set, test_set = load_data()
     mesh = build_mesh(args.dp, args.tp, device, args.timeout)
-    # The sampler deals batches to the dp groups, not to the ranks: a TP group's ranks each
-    # compute a slice of the same samples, so they must read the same ones.
+    # The sampler deals batches to the TP groups (by dp rank), not to the ranks: a TP group's
+    # ranks each compute a slice of the same samples, so they must read the same ones.
     dp_rank = mesh["dp"].get_local_rank()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
     show_who_reads_what(rank, mesh, train_loader)
@@ -480,7 +480,7 @@ def main(rank, local_rank, args):
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
               f"x --tp {args.tp}, {len(train_set)} train / {len(test_set)} test wines, batch "
-              f"{args.batch_size} per dp group ({args.batch_size * args.dp} in all)", flush=True)
+              f"{args.batch_size} per TP group ({args.batch_size * args.dp} in all)", flush=True)
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start

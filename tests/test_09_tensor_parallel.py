@@ -61,11 +61,11 @@ def test_2d_takes_the_steps_of_ddp_on_the_dp_ranks(lesson_run):
     assert "sequential all_gather" not in result.stderr
 
 
-def test_a_tp_group_reads_the_same_wines_and_dp_groups_different_ones(lesson_run):
-    # Rank 0 prints each dp group's ranks, then the first 4 wines of each one's first batch.
+def test_a_tp_groups_ranks_read_the_same_wines_and_other_groups_other_ones(lesson_run):
+    # Rank 0 prints each TP group's ranks, then the first 4 wines of each one's first batch.
     result, _ = lesson_run(LESSON, *CPU, *TWO_D)
-    groups = re.findall(r"^dp group \d: ranks (\[.*?\]) .* same wines (\[.*\]), (\[.*\])$",
-                        result.stdout, re.MULTILINE)
+    groups = re.findall(r"^TP group \d \(dp rank \d\): ranks (\[.*?\]) .* same wines "
+                        r"(\[.*\]), (\[.*\])$", result.stdout, re.MULTILINE)
     assert [ranks for ranks, *_ in groups] == ["[0, 1]", "[2, 3]"], result.stdout
     (_, first, second), (_, third, fourth) = groups
     assert first == second and third == fourth  # within a TP group: the same wines
