@@ -287,8 +287,8 @@ def show_who_reads_what(rank, mesh, train_loader):
     dist.all_gather_object(firsts, first)
     if rank == 0:
         for d, row in enumerate(mesh.mesh.tolist()):
-            print(f"TP group {d} (dp rank {d}): ranks {row} split each layer and read the same wines "
-                  + ", ".join(f"{firsts[r]}" for r in row), flush=True)
+            print(f"TP group {d} (dp rank {d}): ranks {row} split each layer and read the same "
+                  "wines " + ", ".join(f"{firsts[r]}" for r in row), flush=True)
 
 
 def print_collectives(collectives, args):
@@ -339,7 +339,7 @@ class Trainer:
         with CommDebugMode() if first else contextlib.nullcontext() as backward:
             # Backward runs the pairs in reverse: a column-wise layer's input gradient is again a
             # partial sum per rank, all-reduced (not fc1's: its input, the data, needs none).
-            # FSDP then reduce-scatters each slice's gradient over "dp": the mean over the TP groups.
+            # FSDP then reduce-scatters each slice's gradient over "dp": the TP groups' mean.
             loss.backward()
         if first:
             self.collectives = {"forward": count_collectives(forward),
