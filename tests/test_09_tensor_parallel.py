@@ -154,9 +154,14 @@ def test_the_checkpoint_loads_into_another_tp_and_trains_on(lesson_run, restarte
     assert "written by --dp 1 --tp 2, loaded by --dp 1 --tp 1" in result.stdout
     _, lesson02 = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 1, "--epochs", 21)
     assert max_weight_difference(tmp_path, lesson02) < TOLERANCE
-    # A checkpoint of another shape: one line, before any rank starts.
-    result = run_lesson(LESSON, *CPU, "--layers", 3, "--epochs", 21, "--out-dir", tmp_path)
-    assert_one_line_error(result, "holds a model with --layers 1, not 3")
+    # A checkpoint of another shape: the check that stops the run in one line, before any rank
+    # starts (the --tp 3 test below runs that path as a learner does).
+    lesson = import_lesson(LESSON)
+    checkpoint = lesson.latest_checkpoint(tmp_path / "checkpoint")
+    with pytest.raises(SystemExit) as stop:
+        import_guard_rails().check_checkpoint(
+            checkpoint, lesson.parse_args(["--layers", "3", "--epochs", "21"]))
+    assert "holds a model with --layers 1, not 3" in stop.value.code
 
 
 # ---------------------------------------------------------------------------------------------
