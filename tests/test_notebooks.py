@@ -60,7 +60,7 @@ EXPECTED_TEXT = {
     "09_tensor_parallel": ["sum of the 2 partial outputs equals the whole model's: True",
                            "drawing agrees with the measured bytes: True",
                            "drawing agrees with the checkpoint's chunks: True",
-                           "both equal within 1e-6: True", "test accuracy:"],
+                           "equal within 1e-6: True", "test accuracy:"],
 }
 
 
@@ -117,6 +117,10 @@ def test_every_lesson_has_a_notebook():
     names = [path.stem for path in NOTEBOOKS]
     assert names == LESSONS, "every lesson NN_name/ needs notebooks/NN_name.ipynb, and only those"
     assert set(EXPECTED_TEXT) == set(names)
+    # ... and the README's table of notebooks has a row for each, linking it.
+    readme = (ROOT / "README.md").read_text()
+    missing = [path.name for path in NOTEBOOKS if f"](notebooks/{path.name})" not in readme]
+    assert not missing, f"README.md's table of notebooks has no row for {missing}"
 
 
 def test_stored_without_outputs():
