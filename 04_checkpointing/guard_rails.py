@@ -55,7 +55,7 @@ def check_args(args):
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"--{name.replace('_', '-')} must be a finite number (got {value})")
     for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
-                 "crash_at_epoch", "hidden", "layers", "dp", "tp"):
+                 "crash_at_epoch", "hidden", "layers", "dp", "tp", "stages", "microbatches"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
@@ -782,6 +782,40 @@ def check_tensor_parallel(args):
     if args.tp > 1 and args.layers % 2 == 0:
         fail(f"--layers {args.layers} makes {args.layers + 1} linear layers, and tensor "
              "parallelism splits them in pairs (column-wise, then row-wise); use an odd --layers")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lesson 10: a pipeline that cannot split the model or the batch
+# ---------------------------------------------------------------------------------------------
+def check_pipeline(args):
+    """Refuse, before any rank starts, --stages, --microbatches or --schedule that cannot work."""
+    if args.dp is None:  # torchrun's ranks, or else the GPUs, in pipelines of --stages; at least 1
+        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
+        args.dp = max(1, ranks // args.stages)
+    if started_by_torchrun() and args.dp * args.stages != args.world_size:
+        fail(f"--dp {args.dp} x --stages {args.stages} = {args.dp * args.stages} ranks, but "
+             f"torchrun started {args.world_size}; start dp x stages processes in all, or "
+             "change --dp or --stages")
+    chunks = 2 if args.schedule == "interleaved" else 1  # model chunks (stages) per rank
+    pieces, linears = args.stages * chunks, args.layers + 1
+    if linears % pieces:
+        each = f" x {chunks} chunks per rank" if chunks > 1 else ""
+        fail(f"--layers {args.layers} makes {linears} linear layers, which do not split evenly "
+             f"over --stages {args.stages}{each} = {pieces} stages; use a --layers one less than "
+             f"a multiple of {pieces}, such as --layers {pieces * max(1, linears // pieces) - 1}")
+    if args.batch_size % args.microbatches:
+        fail(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: "
+             "every micro-batch must have the same shape (the pipeline fixes it at the first "
+             "step); choose a --batch-size that is a multiple of --microbatches")
+    # torch's Schedule1F1B and ScheduleInterleaved1F1B raise a ValueError otherwise (schedules.py).
+    if args.schedule in ("1f1b", "interleaved") and args.microbatches < args.stages:
+        fail(f"--schedule {args.schedule} needs at least one micro-batch per stage: "
+             f"--microbatches {args.microbatches} is fewer than --stages {args.stages}")
+    if args.schedule == "interleaved" and args.microbatches % args.stages:
+        fail(f"--schedule interleaved runs micro-batches in rounds of --stages: --microbatches "
+             f"{args.microbatches} is not a multiple of --stages {args.stages}")
+    if args.simulate_ms is not None and args.simulate_ms < 0:
+        fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
 
 
 def checkpoints_beside(path):

@@ -1,0 +1,762 @@
+"""Lesson 10: pipeline parallelism, for a model too deep for one device.
+
+Lesson 08's deeper MLP (--layers), cut into --stages consecutive groups of layers, one per rank.
+Each batch is cut into --microbatches, and a stage passes a micro-batch's activations to the next
+(and, in backward, the gradients back) while it works on the following one. The schedule decides
+the order of those forwards and backwards, and how long the stages wait: the bubble. The lesson
+writes the simplest schedule by hand (afab: all forwards, then all backwards, with send and recv),
+then runs torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B. Every schedule takes
+the steps of one process on the whole batch; --dp M pipelines take the steps of DDP on M ranks.
+--simulate-ms gives each layer a fixed compute time, so the bubble can be measured.
+
+Run it (each run its own --out-dir, or it resumes the finished checkpoint of the one before):
+    python 10_pipeline_parallel/train.py                                     # 1F1B, 2 stages
+    python 10_pipeline_parallel/train.py --schedule afab --out-dir runs/10_afab   # by hand
+    python 10_pipeline_parallel/train.py --stages 4 --microbatches 8 --simulate-ms 20 \
+        --epochs 1 --out-dir runs/10_bubble                       # the bubble, measured
+    python 10_pipeline_parallel/train.py --dp 2 --stages 2 --out-dir runs/10_2d  # 2 pipelines
+    torchrun --standalone --nproc-per-node 4 10_pipeline_parallel/train.py --stages 4 \
+        --out-dir runs/10_tr
+    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST0 --master-port 29500 \
+        10_pipeline_parallel/train.py --stages 4 --out-dir /shared/runs/10   # node 1: --node-rank 1
+"""
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import shutil
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from guard_rails import (
+    agree_on_checkpoint,
+    check_args,
+    check_master_port,
+    check_pipeline,
+    check_sharding,
+    fail,
+    rank_guard,
+    restart_store,
+    sharded_save_or_fail,
+    spawn_guard,
+    start,
+    started_by_torchrun,
+)
+
+# The library's schedules; "afab" is this lesson's own (afab_step).
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+IGNORE = -100  # the target of a padding row: cross_entropy's ignore_index leaves it out
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup helpers
+# ---------------------------------------------------------------------------------------------
+def choose_backend(requested, world_size, flag="--dp x --stages"):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+    gpus = torch.cuda.device_count()
+    if requested == "nccl":
+        if gpus == 0 or not dist.is_nccl_available():
+            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+        if world_size > gpus:
+            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
+                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
+        return "nccl"
+    if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
+        return "nccl"
+    if requested == "auto" and gpus > 0:
+        print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
+              "so the ranks train on the CPU with gloo")
+    return "gloo"
+
+
+def find_free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
+        return sock.getsockname()[1]
+
+
+def setup_process_group(rank, local_rank, world_size, backend, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    if backend == "nccl":
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
+        # The local rank picks it: under torchrun on several nodes, each numbers its GPUs from 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # Under torchrun, LOCAL_WORLD_SIZE of them share this machine (only torchrun's counts).
+        ranks_here = int(os.environ["LOCAL_WORLD_SIZE"]) if started_by_torchrun() else world_size
+        torch.set_num_threads(max(1, cores // ranks_here))
+        device = torch.device("cpu")
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            store=restart_store(rank, world_size, timeout),  # torchrun restarts
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
+
+
+def latest_checkpoint(checkpoint_dir):
+    """The newest finished checkpoint folder, or None: dcp.save writes .metadata last of all."""
+    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", ".metadata")))
+    return os.path.dirname(finished[-1]) if finished else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+class WineDataset(Dataset):
+    def __init__(self, features, labels):
+        self.features = torch.as_tensor(features, dtype=torch.float32)
+        self.labels = torch.as_tensor(labels, dtype=torch.long)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return self.features[index], self.labels[index]
+
+
+def load_data():
+    """The same 142 training and 36 test wines in every lesson."""
+    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
+    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
+    from sklearn.datasets import load_wine
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    features, labels = load_wine(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        features, labels, test_size=0.2, random_state=42, stratify=labels
+    )
+    # Fit the scaler on the training part only: the test wines must not leak into training.
+    scaler = StandardScaler().fit(x_train)
+    return (
+        WineDataset(scaler.transform(x_train), y_train),
+        WineDataset(scaler.transform(x_test), y_test),
+    )
+
+
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+class WineMLP(nn.Module):
+    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
+    checkpoint keys of every lesson, so any lesson's final.pt loads into this class.
+
+    layers > 1 puts hidden x hidden layers between fc1 and fc2 (lesson 08's deeper MLP)."""
+
+    def __init__(self, in_features=13, hidden=64, classes=3, layers=1):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 1))
+        self.fc2 = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.fc2(x)
+
+
+def layer_names(model):
+    """The linear layers in the order the data goes through them: fc1, hidden.0, ..., fc2."""
+    return ["fc1", *(f"hidden.{i}" for i in range(len(model.hidden))), "fc2"]
+
+
+class Stage(nn.Module):
+    """Consecutive linear layers of the model, each followed by its ReLU, but for fc2's."""
+
+    def __init__(self, layers, last):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.last = last  # the last stage ends with fc2's logits: no ReLU after them
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if not (self.last and i == len(self.layers) - 1):
+                x = F.relu(x)
+        return x
+
+
+def build_groups(dp, stages, timeout):
+    """Rank r is stage r % stages of pipeline r // stages. With --dp 2 --stages 2: pipelines
+    [0, 1] and [2, 3] (send and recv run along them), dp groups [0, 2] and [1, 3] (the ranks
+    that hold the same layers, whose gradients are averaged)."""
+    ranks = torch.arange(dp * stages).view(dp, stages)
+    groups = {}
+    # Every rank makes every group, in the same order, and keeps its own; each with --timeout.
+    for name, lines in (("dp", ranks.T), ("pp", ranks)):
+        for line in lines:
+            group = dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))
+            if dist.get_rank() in line:
+                groups[name] = group
+    return groups["pp"], groups["dp"]
+
+
+def split_model(model, stage_ids, num_stages):
+    """This rank's stages, as Stage modules; the model keeps only their layers.
+
+    The linear layers are dealt out in equal consecutive runs: with --layers 3 (4 linear layers)
+    and 2 stages, stage 0 is fc1 and hidden.0, stage 1 hidden.1 and fc2. The layers of other
+    ranks' stages become None, so the model's state dict holds this rank's layers under the
+    names of the whole model (fc1.weight, ...): the checkpoint's pieces fit together by name."""
+    names = layer_names(model)
+    per_stage = len(names) // num_stages
+    stages = []
+    for s in stage_ids:
+        layers = [model.get_submodule(n) for n in names[s * per_stage:(s + 1) * per_stage]]
+        stages.append(Stage(layers, last=s == num_stages - 1))
+        stages[-1].names = names[s * per_stage:(s + 1) * per_stage]  # for show_layout
+    mine = {n for s in stage_ids for n in names[s * per_stage:(s + 1) * per_stage]}
+    for name in names:
+        if name not in mine:  # another rank's layer: drop it (nn.Module lets a child be None)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, None)
+    return stages
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline: by hand, then the library
+# ---------------------------------------------------------------------------------------------
+def afab_step(stage, features, targets, microbatches, loss_fn, pp_group):
+    """One step of the simplest schedule, All Forwards then All Backwards (GPipe's order), by
+    hand: stage s receives each micro-batch's activations from stage s - 1 and sends its own
+    to stage s + 1; in backward, the gradients go the other way. Returns the last stage's
+    micro-batch losses (none elsewhere)."""
+    s, p = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    inputs, outputs, losses = [], [], []
+    for x, y in zip(features.chunk(microbatches), targets.chunk(microbatches), strict=True):
+        if s > 0:  # the previous stage's output, the same shape for every micro-batch
+            x = torch.empty(len(x), stage.layers[0].in_features, device=features.device)
+            dist.recv(x, group=pp_group, group_src=s - 1)
+            x.requires_grad_()  # its gradient is what this stage sends back
+        out = stage(x)
+        if s < p - 1:
+            dist.send(out.detach(), group=pp_group, group_dst=s + 1)
+        else:
+            out = loss_fn(out, y)  # only the last stage has the logits, so only it has a loss
+            losses.append(out.detach())
+        inputs.append(x)
+        outputs.append(out)  # kept, with its graph, until its backward: m micro-batches held
+    for x, out in zip(inputs, outputs, strict=True):
+        if s < p - 1:  # the gradient of this stage's output, computed by the next stage
+            grad = torch.empty_like(out)
+            dist.recv(grad, group=pp_group, group_src=s + 1)
+            out.backward(grad)
+        else:
+            out.backward()
+        if s > 0:
+            dist.send(x.grad, group=pp_group, group_dst=s - 1)
+    return losses
+
+
+def build_schedule(name, stages, stage_ids, num_stages, microbatches, loss_fn, device, pp_group):
+    """The library's schedule over this rank's PipelineStage(s)."""
+    pipeline_stages = [PipelineStage(stage, s, num_stages, device, group=pp_group)
+                       for stage, s in zip(stages, stage_ids, strict=True)]
+    # scale_grads=False: loss_fn already divides by the real rows of the whole batch, so the
+    # micro-batches' gradients add up to the batch's mean (the library's default, True, divides
+    # each micro-batch's by --microbatches: right only if every micro-batch is full).
+    one_or_all = pipeline_stages if name == "interleaved" else pipeline_stages[0]
+    return SCHEDULES[name](one_or_all, n_microbatches=microbatches, loss_fn=loss_fn,
+                           scale_grads=False)
+
+
+def pad_batch(features, labels, batch_size):
+    """Fill a short batch (the last of an epoch) to batch_size with rows whose target is IGNORE.
+
+    The library fixes the micro-batches' shapes at its first step, and a smaller batch would
+    stop the last stage ("Expected input batch_size (16) to match target batch_size (7)")."""
+    short = batch_size - len(labels)
+    features = torch.cat([features, features.new_zeros(short, features.shape[1])])
+    return features, torch.cat([labels, labels.new_full((short,), IGNORE)])
+
+
+def average_gradients(stages, dp_group):
+    """Across pipelines: each layer's gradient averaged with its copies (lesson 08's all-reduce)."""
+    for stage in stages:
+        for param in stage.parameters():
+            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=dp_group)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bubble: a fixed compute time per layer, and when each micro-batch ran
+# ---------------------------------------------------------------------------------------------
+class SimulatedCompute(torch.autograd.Function):
+    """Sleeps as long as the stage's layers would compute, forward and (twice that) backward,
+    and records when: a sleep takes no CPU, so 4 ranks on 2 cores keep a clean timeline."""
+
+    @staticmethod
+    def forward(ctx, x, seconds, record):
+        ctx.seconds, ctx.record = seconds, record
+        record("F", seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record("B", 2 * ctx.seconds)  # backward: two products per layer, forward's one
+        return grad, None, None
+
+
+def simulate_compute(stage, stage_id, ms, events):
+    """From now on, each forward and backward of stage sleeps ms per layer and is recorded in
+    events as [kind, stage, micro-batch, start, end] (the n-th F of a stage is micro-batch n)."""
+    def record(kind, seconds):
+        start = time.time()  # wall-clock time: the ranks' timestamps compare across processes
+        time.sleep(seconds)
+        done = sum(e[0] == kind and e[1] == stage_id for e in events)
+        events.append([kind, stage_id, done, start, time.time()])
+
+    seconds = ms / 1000 * len(stage.layers)
+    stage.register_forward_hook(lambda module, args, out: SimulatedCompute.apply(out, seconds,
+                                                                                 record))
+
+
+def defined_order(schedule, name, pp_rank, stages, microbatches):
+    """This rank's forwards and backwards in the order its schedule defines, as "0F1" (stage
+    0, forward, micro-batch 1), for comparison with the order they ran in."""
+    s, m = pp_rank, microbatches
+    if name in ("afab", "gpipe"):  # every forward, then every backward
+        return [f"{s}F{i}" for i in range(m)] + [f"{s}B{i}" for i in range(m)]
+    if name == "1f1b":  # p - s forwards fill the pipeline (torch's count), then B and F in turn
+        warmup = min(m, stages - s)
+        order = [f"{s}F{i}" for i in range(warmup)]
+        for i in range(m):
+            order += [f"{s}B{i}"] + ([f"{s}F{warmup + i}"] if warmup + i < m else [])
+        return order
+    # Interleaved: the library's own plan. (Its plan for 1F1B numbers the last stage's forwards
+    # from 1 in torch 2.14, not from 0: tools/repro_1f1b_pipeline_order.py.)
+    return [str(a) for a in schedule.pipeline_order[pp_rank]
+            if a is not None and a.computation_type.value in ("F", "B")]
+
+
+def bubble_report(timelines, args):
+    """From every stage's events: the bubble per step, its median, and what each rank ran."""
+    p, v, m = args.stages, 2 if args.schedule == "interleaved" else 1, args.microbatches
+    bubbles = []
+    for step in range(1, len(timelines[0])):  # step 0 also sets the pipeline up: left out
+        events = [e for rank in timelines for e in rank[step]]
+        wall = max(e[4] for e in events) - min(e[3] for e in events)
+        busy = sum(e[4] - e[3] for e in events)
+        bubbles.append(1 - busy / (p * wall))  # idle share of p ranks over the step
+    last = [rank[-1] for rank in timelines]
+    t0 = min(e[3] for events in last for e in events)
+    held = []
+    for events in last:  # micro-batches whose activations a rank holds: F done, B not yet
+        now = top = 0
+        for e in sorted(events, key=lambda e: e[3]):
+            now += 1 if e[0] == "F" else -1
+            top = max(top, now)
+        held.append(top)
+    return {
+        "measured": statistics.median(bubbles) if bubbles else None,
+        "spread": [min(bubbles), max(bubbles)] if bubbles else None,
+        "steps": len(bubbles),
+        "formula": (p - 1) / (v * m + p - 1),
+        "held": held,
+        "timeline": [[[e[0], e[1], e[2], e[3] - t0, e[4] - t0] for e in events]
+                     for events in last],
+    }
+
+
+def show_layout(rank, stage_ids, stages, pp_group, dp):
+    """Rank 0 prints which layers each rank of the first pipeline holds."""
+    mine = [(s, stage.names) for s, stage in zip(stage_ids, stages, strict=True)]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        p = dist.get_world_size(pp_group)
+        held = " | ".join(f"rank {r}: " + ", ".join(f"stage {s} ({' '.join(names)})"
+                                                     for s, names in everyone[r])
+                          for r in range(p))
+        copies = f"; {dp} pipelines, each its own batches" if dp > 1 else ""
+        print(f"pipeline 0 {held}{copies}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, model, stages, stage_ids, train_loader, optimizer, device, args, rank,
+                 pp_group, dp_group):
+        self.model = model  # this rank's layers, under the whole model's names
+        self.stages = stages
+        self.stage_ids = stage_ids
+        self.train_loader = train_loader
+        self.optimizer = optimizer
+        self.device = device
+        self.args = args
+        self.rank = rank
+        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
+        self.pp_group = pp_group  # this rank's pipeline: send and recv run along it
+        self.dp_group = dp_group  # the ranks with the same layers, in the other pipelines
+        num_stages = args.stages * len(stage_ids)
+        self.has_last_stage = num_stages - 1 in stage_ids  # it alone computes the loss
+        self.real_rows = None  # rows of this batch that are not padding, for loss_fn
+        self.schedule = None if args.schedule == "afab" else build_schedule(
+            args.schedule, stages, stage_ids, num_stages, args.microbatches, self.loss_fn,
+            device, pp_group)
+        self.events = []  # with --simulate-ms: this step's forwards and backwards
+        self.timeline = []  # and every step's
+        if args.simulate_ms is not None:
+            for stage, s in zip(stages, stage_ids, strict=True):
+                simulate_compute(stage, s, args.simulate_ms, self.events)
+        # Where training stands: what a checkpoint saves and a resume restores.
+        self.checkpoint_dir = os.path.join(args.out_dir, "checkpoint")
+        self.epochs_completed = 0
+        self.losses = []
+
+    def loss_fn(self, logits, targets):
+        """A micro-batch's share of the batch's mean loss: the sum of its rows' losses over the
+        batch's real rows. The micro-batches' shares add up to the mean over the whole batch,
+        and padding rows (target IGNORE) add nothing."""
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE,
+                               reduction="sum") / self.real_rows
+
+    def train_step(self, features, labels):
+        """One step on a batch padded to --batch-size; returns the sum of its real rows' losses
+        on the rank with the last stage (0 elsewhere)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.real_rows = int((labels != IGNORE).sum())
+        if self.schedule is None:
+            losses = afab_step(self.stages[0], features, labels, self.args.microbatches,
+                               self.loss_fn, self.pp_group)
+        else:
+            losses = []  # filled on the last stage, one loss per micro-batch
+            # Every rank of a pipeline passes the same batch: the schedule splits it into
+            # micro-batches; the first stage reads the features, the last one the labels.
+            self.schedule.step(features, target=labels, losses=losses)
+        if self.args.dp > 1:
+            average_gradients(self.stages, self.dp_group)
+        self.optimizer.step()
+        if self.args.simulate_ms is not None:
+            self.timeline.append(list(self.events))
+            self.events.clear()
+        return float(sum(loss.detach() for loss in losses)) * self.real_rows if losses else 0.0
+
+    def train_epoch(self, epoch):
+        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
+        totals = torch.zeros(2, device=self.device)  # [sum of per-sample losses, samples]
+        for features, labels in self.train_loader:
+            rows = len(labels)
+            features, labels = pad_batch(features, labels, self.args.batch_size)
+            loss_sum = self.train_step(features.to(self.device), labels.to(self.device))
+            if self.has_last_stage:
+                totals += torch.tensor([loss_sum, rows], device=self.device)
+        # Only the last stage of each pipeline saw the loss: a sum over every rank (the others
+        # add zeros) brings every pipeline's to rank 0, which holds the first stage.
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        return (totals[0] / totals[1]).item()
+
+    def whole_model(self):
+        """Every rank's layers, gathered onto rank 0 into the whole model (lesson 01's class)."""
+        mine = {name: t.detach().cpu() for name, t in self.model.state_dict().items()}
+        pieces = [None] * dist.get_world_size() if self.is_main_process else None
+        dist.gather_object(mine, pieces, dst=0)  # a collective: every rank takes part
+        if not self.is_main_process:
+            return None
+        model = WineMLP(hidden=self.args.hidden, layers=self.args.layers)
+        # strict: a layer that no rank held would stop here, not make a half-trained final.pt
+        model.load_state_dict({name: t for piece in pieces for name, t in piece.items()})
+        return model
+
+    def training_state(self):
+        """{"model": ..., "optimizer": ...}: this rank's layers and their Adam state, by name."""
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optimizer": optimizer_state["state"]}
+
+    def save_checkpoint(self):
+        path = os.path.join(self.checkpoint_dir, f"epoch_{self.epochs_completed:04d}")
+        with sharded_save_or_fail(self.rank, path) as barrier:  # a failed write: one line
+            if self.is_main_process:
+                shutil.rmtree(path, ignore_errors=True)  # a save of this epoch that was cut short
+                os.makedirs(path)
+                with open(os.path.join(path, "progress.json"), "w") as f:
+                    json.dump({"epochs_completed": self.epochs_completed, "train_loss": self.losses,
+                               "dp": self.args.dp, "stages": self.args.stages,
+                               "schedule": self.args.schedule}, f)
+            barrier()  # the folder exists before any rank writes into it
+            # Every rank writes its own layers to its own file (a layer that several pipelines
+            # hold, once); rank 0 then writes .metadata: which file holds which tensor.
+            dcp.save(self.training_state(), checkpoint_id=path)
+        if self.is_main_process:  # this save is complete: older ones can go
+            for old in glob.glob(os.path.join(self.checkpoint_dir, "epoch_*")):
+                if old != path:
+                    shutil.rmtree(old)
+
+    def load_checkpoint(self, path):
+        with open(os.path.join(path, "progress.json")) as f:
+            progress = json.load(f)
+        # Each rank reads the layers it holds now, by name, from whichever file holds them: the
+        # checkpoint loads into any --stages, --schedule or --dp.
+        state = self.training_state()
+        dcp.load(state, checkpoint_id=path)
+        _, optimizer_state = get_state_dict(self.model, self.optimizer)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict={**optimizer_state, "state": state["optimizer"]})
+        self.epochs_completed = progress["epochs_completed"]
+        self.losses = list(progress["train_loss"])
+        return progress
+
+    def train(self, max_epochs):
+        # From the checkpoint's next epoch, not from 0: no epoch is repeated or skipped.
+        for epoch in range(self.epochs_completed, max_epochs):
+            start = time.perf_counter()
+            loss = self.train_epoch(epoch)
+            self.losses.append(loss)
+            self.epochs_completed = epoch + 1
+            if self.is_main_process:
+                print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
+                      f"| {time.perf_counter() - start:.3f} s", flush=True)
+            if self.epochs_completed % self.args.save_every == 0 or \
+                    self.epochs_completed == max_epochs:
+                self.save_checkpoint()  # every rank: each holds layers that others do not
+        return self.losses
+
+    def schedule_report(self, pp_rank):
+        """With --simulate-ms, on rank 0: the bubble and each rank's order (first pipeline)."""
+        order = {"recorded": [f"{e[1]}{e[0]}{e[2]}" for e in self.events_of_last_step()],
+                 "defined": defined_order(self.schedule, self.args.schedule, pp_rank,
+                                          self.args.stages, self.args.microbatches)}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.timeline, order))
+        if not self.is_main_process:
+            return None
+        pipeline = everyone[:self.args.stages]  # ranks 0 .. stages - 1: the first pipeline
+        report = bubble_report([timeline for timeline, _ in pipeline], self.args)
+        report["order"] = [order for _, order in pipeline]
+        return report
+
+    def events_of_last_step(self):
+        return self.timeline[-1] if self.timeline else []
+
+
+def evaluate(model, test_set):
+    """Count correct predictions of the whole model over the test set, on rank 0's CPU."""
+    with torch.no_grad():
+        predictions = model(test_set.features).argmax(dim=1)
+    return int((predictions == test_set.labels).sum()), len(test_set)
+
+
+def print_schedule_report(report, args):
+    v = 2 if args.schedule == "interleaved" else 1
+    low, high = report["spread"] or (float("nan"),) * 2
+    print(f"bubble, --schedule {args.schedule}: p {args.stages} stages x v {v}, m "
+          f"{args.microbatches} micro-batches: measured {report['measured']:.3f} (median of "
+          f"{report['steps']} steps, {low:.3f} to {high:.3f}) | (p - 1) / (v*m + p - 1) = "
+          f"{report['formula']:.3f}", flush=True)
+    for r, (order, held) in enumerate(zip(report["order"], report["held"], strict=True)):
+        same = "yes" if order["recorded"] == order["defined"] else "NO"
+        print(f"rank {r}: {' '.join(order['recorded'])} | as {args.schedule} defines: {same} "
+              f"| activations held: at most {held} micro-batches", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def main(rank, local_rank, args):
+    start = args.start_time  # set by launch, before the ranks were started
+    device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
+    train_set, test_set = load_data()
+    pp_group, dp_group = build_groups(args.dp, args.stages, args.timeout)
+    pp_rank, dp_rank = dist.get_rank(pp_group), dist.get_rank(dp_group)  # stage, pipeline
+    # The sampler deals batches to the pipelines (by dp rank), not to the ranks: every stage of
+    # a pipeline works on the same samples, the first on their features, the last their labels.
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
+
+    # Seed before building the model so the initial weights are the same on every rank: each
+    # builds the whole model, as one process would, and keeps its own layers.
+    torch.manual_seed(args.seed)
+    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
+    chunks = 2 if args.schedule == "interleaved" else 1
+    # One stage per rank; interleaved: v = 2 smaller ones, stages r and r + p on rank r.
+    stage_ids = [pp_rank + c * args.stages for c in range(chunks)]
+    stages = split_model(model, stage_ids, args.stages * chunks)
+    show_layout(rank, stage_ids, stages, pp_group, args.dp)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, stages, stage_ids, train_loader, optimizer, device, args, rank,
+                      pp_group, dp_group)
+
+    # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
+    # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
+    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
+    if checkpoint:
+        progress = trainer.load_checkpoint(checkpoint)
+        if trainer.is_main_process:
+            print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
+                  f"epochs done, written by --dp {progress['dp']} --stages {progress['stages']} "
+                  f"--schedule {progress['schedule']}", flush=True)
+    resumed_after_epoch = trainer.epochs_completed  # 0: this run started from scratch
+    if resumed_after_epoch == args.epochs and trainer.is_main_process:
+        print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
+              "train; raise --epochs to train on, or choose another --out-dir to start afresh",
+              flush=True)
+    if trainer.is_main_process:
+        print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
+              f"x --stages {args.stages}, --schedule {args.schedule}, batch {args.batch_size} "
+              f"per pipeline in {args.microbatches} micro-batches", flush=True)
+    train_start = time.perf_counter()
+    losses = trainer.train(args.epochs)
+    train_seconds = time.perf_counter() - train_start
+    report = trainer.schedule_report(pp_rank) if trainer.timeline else None
+    model = trainer.whole_model()  # a collective: every rank sends its layers to rank 0
+    if not trainer.is_main_process:
+        return  # rank 0 holds every result now; it alone writes them
+
+    save_atomically(model.state_dict(), os.path.join(args.out_dir, "final.pt"))
+    correct, total = evaluate(model, test_set)
+    if report:
+        print_schedule_report(report, args)
+    metrics = {
+        "lesson": "10_pipeline_parallel",
+        "dp": args.dp,
+        "stages": args.stages,
+        "schedule": args.schedule,
+        "microbatches": args.microbatches,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "simulate_ms": args.simulate_ms,
+        "schedule_report": report,
+        "world_size": args.world_size,
+        "launcher": args.launcher,
+        "resumed_after_epoch": resumed_after_epoch,
+        "backend": args.backend,
+        "device": device.type,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads_per_rank": torch.get_num_threads(),
+        "train_loss": losses,
+        "test_correct": correct,
+        "test_total": total,
+        "test_accuracy": correct / total,
+        "train_seconds": train_seconds,
+        "wall_seconds": time.time() - start,
+    }
+    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+def worker(local_rank, args):
+    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
+    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
+    rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
+    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, local_rank, args)
+        dist.destroy_process_group()
+
+
+def launch(args):
+    """Pick backend and port, then start the ranks; under torchrun, which started them, be one."""
+    args.start_time = time.time()
+    if started_by_torchrun():
+        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
+        # is one rank. The ranks of every node form one group, the pipelines, one checkpoint.
+        args.launcher = "torchrun"
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        check_pipeline(args)  # --dp (default: WORLD_SIZE / --stages) x --stages = WORLD_SIZE
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
+        check_sharding(args, latest_checkpoint)
+        worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
+        return
+    args.launcher = "spawn"
+    check_pipeline(args)  # the layers split over the stages, the batch into micro-batches
+    args.world_size = args.dp * args.stages
+    args.backend = choose_backend(args.backend, args.world_size)
+    check_sharding(args, latest_checkpoint)  # the width and any checkpoint: see the guard rails
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
+    check_master_port()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    os.makedirs(args.out_dir, exist_ok=True)
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # Runs worker(rank, args) in world_size fresh Python processes, rank 0 .. world_size - 1.
+    with spawn_guard("rank", then=". Run it again to resume from the last checkpoint"):
+        mp.spawn(worker, args=(args,), nprocs=args.world_size)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Lesson 10: train the wine MLP as a pipeline of stages, one per rank.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="samples per step, per pipeline; a short last batch is padded")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
+    parser.add_argument("--save-every", type=int, default=10,
+                        help="write a checkpoint every N epochs")
+    parser.add_argument("--out-dir", default="runs/10_pipeline_parallel",
+                        help="folder for checkpoint/, final.pt and metrics.json")
+    parser.add_argument("--schedule", default="1f1b", choices=["afab", *SCHEDULES],
+                        help="afab: this lesson's own, by hand; the others: the library's")
+    parser.add_argument("--stages", type=int, default=2, help="ranks in a pipeline")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="micro-batches each batch is cut into; must divide --batch-size")
+    parser.add_argument("--dp", type=int,
+                        help="pipelines that read different batches, gradients averaged "
+                        "(default: the GPUs, or torchrun's ranks, / --stages; at least 1)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+                        help="auto: NCCL when every rank has its own GPU, else gloo")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a rank waits for the others before it stops with an error")
+    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
+    parser.add_argument("--layers", type=int, default=3,
+                        help="hidden layers (lesson 08's): --layers + 1 linear layers to split")
+    parser.add_argument("--simulate-ms", type=float,
+                        help="each layer computes this long (forward; backward twice): the "
+                        "bubble, measured, and each rank's order of forwards and backwards")
+    return check_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    start(launch, parse_args, torchrun_ok=True)
