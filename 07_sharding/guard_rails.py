@@ -799,10 +799,11 @@ def check_pipeline(args):
     chunks = 2 if args.schedule == "interleaved" else 1  # model chunks (stages) per rank
     pieces, linears = args.stages * chunks, args.layers + 1
     if linears % pieces:
-        each = f" x {chunks} chunks per rank" if chunks > 1 else ""
+        over = f"--stages {args.stages}" + (f" x {chunks} chunks per rank (--schedule "
+                                            f"interleaved) = {pieces}" if chunks > 1 else "")
         fail(f"--layers {args.layers} makes {linears} linear layers, which do not split evenly "
-             f"over --stages {args.stages}{each} = {pieces} stages; use a --layers one less than "
-             f"a multiple of {pieces}, such as --layers {pieces * max(1, linears // pieces) - 1}")
+             f"over {over} stages; use a --layers one less than a multiple of {pieces}, such "
+             f"as --layers {pieces * max(1, linears // pieces) - 1}")
     if args.batch_size % args.microbatches:
         fail(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: "
              "every micro-batch must have the same shape (the pipeline fixes it at the first "
