@@ -1,13 +1,14 @@
 """Lesson 10: pipeline parallelism, for a model too deep for one device.
 
-Lesson 08's deeper MLP (--layers), cut into --stages consecutive groups of layers, one per rank.
-Each batch is cut into --microbatches, and a stage passes a micro-batch's activations to the next
+Lesson 09's program, with its layers no longer split across ranks but dealt out whole: lesson
+08's deeper MLP (--layers), cut into --stages consecutive groups of layers, one per rank. Each
+batch is cut into --microbatches, and a stage passes a micro-batch's activations to the next
 (and, in backward, the gradients back) while it works on the following one. The schedule decides
 the order of those forwards and backwards, and how long the stages wait: the bubble. The lesson
 writes the simplest schedule by hand (afab: all forwards, then all backwards, with send and recv),
 then runs torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B. Every schedule takes
 the steps of one process on the whole batch; --dp M pipelines take the steps of DDP on M ranks.
---simulate-ms gives each layer a fixed compute time, so the bubble can be measured.
+--simulate-ms gives each layer a fixed compute time, so the bubble can be measured (timeline.py).
 
 Run it (each run its own --out-dir, or it resumes the finished checkpoint of the one before):
     python 10_pipeline_parallel/train.py                                     # 1F1B, 2 stages
@@ -28,7 +29,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import time
 
 import torch
@@ -61,6 +61,7 @@ from guard_rails import (
     start,
     started_by_torchrun,
 )
+from timeline import print_schedule_report, schedule_report, simulate_compute
 
 # The library's schedules; "afab" is this lesson's own (afab_step).
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -250,7 +251,6 @@ def split_model(model, stage_ids, num_stages):
     for s in stage_ids:
         layers = [model.get_submodule(n) for n in names[s * per_stage:(s + 1) * per_stage]]
         stages.append(Stage(layers, last=s == num_stages - 1))
-        stages[-1].names = names[s * per_stage:(s + 1) * per_stage]  # for show_layout
     mine = {n for s in stage_ids for n in names[s * per_stage:(s + 1) * per_stage]}
     for name in names:
         if name not in mine:  # another rank's layer: drop it (nn.Module lets a child be None)
@@ -324,100 +324,6 @@ def average_gradients(stages, dp_group):
 
 
 # ---------------------------------------------------------------------------------------------
-# The bubble: a fixed compute time per layer, and when each micro-batch ran
-# ---------------------------------------------------------------------------------------------
-class SimulatedCompute(torch.autograd.Function):
-    """Sleeps as long as the stage's layers would compute, forward and (twice that) backward,
-    and records when: a sleep takes no CPU, so 4 ranks on 2 cores keep a clean timeline."""
-
-    @staticmethod
-    def forward(ctx, x, seconds, record):
-        ctx.seconds, ctx.record = seconds, record
-        record("F", seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.record("B", 2 * ctx.seconds)  # backward: two products per layer, forward's one
-        return grad, None, None
-
-
-def simulate_compute(stage, stage_id, ms, events):
-    """From now on, each forward and backward of stage sleeps ms per layer and is recorded in
-    events as [kind, stage, micro-batch, start, end] (the n-th F of a stage is micro-batch n)."""
-    def record(kind, seconds):
-        start = time.time()  # wall-clock time: the ranks' timestamps compare across processes
-        time.sleep(seconds)
-        done = sum(e[0] == kind and e[1] == stage_id for e in events)
-        events.append([kind, stage_id, done, start, time.time()])
-
-    seconds = ms / 1000 * len(stage.layers)
-    stage.register_forward_hook(lambda module, args, out: SimulatedCompute.apply(out, seconds,
-                                                                                 record))
-
-
-def defined_order(schedule, name, pp_rank, stages, microbatches):
-    """This rank's forwards and backwards in the order its schedule defines, as "0F1" (stage
-    0, forward, micro-batch 1), for comparison with the order they ran in."""
-    s, m = pp_rank, microbatches
-    if name in ("afab", "gpipe"):  # every forward, then every backward
-        return [f"{s}F{i}" for i in range(m)] + [f"{s}B{i}" for i in range(m)]
-    if name == "1f1b":  # p - s forwards fill the pipeline (torch's count), then B and F in turn
-        warmup = min(m, stages - s)
-        order = [f"{s}F{i}" for i in range(warmup)]
-        for i in range(m):
-            order += [f"{s}B{i}"] + ([f"{s}F{warmup + i}"] if warmup + i < m else [])
-        return order
-    # Interleaved: the library's own plan. (Its plan for 1F1B numbers the last stage's forwards
-    # from 1 in torch 2.14, not from 0: tools/repro_1f1b_pipeline_order.py.)
-    return [str(a) for a in schedule.pipeline_order[pp_rank]
-            if a is not None and a.computation_type.value in ("F", "B")]
-
-
-def bubble_report(timelines, args):
-    """From every stage's events: the bubble per step, its median, and what each rank ran."""
-    p, v, m = args.stages, 2 if args.schedule == "interleaved" else 1, args.microbatches
-    bubbles = []
-    for step in range(1, len(timelines[0])):  # step 0 also sets the pipeline up: left out
-        events = [e for rank in timelines for e in rank[step]]
-        wall = max(e[4] for e in events) - min(e[3] for e in events)
-        busy = sum(e[4] - e[3] for e in events)
-        bubbles.append(1 - busy / (p * wall))  # idle share of p ranks over the step
-    last = [rank[-1] for rank in timelines]
-    t0 = min(e[3] for events in last for e in events)
-    held = []
-    for events in last:  # micro-batches whose activations a rank holds: F done, B not yet
-        now = top = 0
-        for e in sorted(events, key=lambda e: e[3]):
-            now += 1 if e[0] == "F" else -1
-            top = max(top, now)
-        held.append(top)
-    return {
-        "measured": statistics.median(bubbles) if bubbles else None,
-        "spread": [min(bubbles), max(bubbles)] if bubbles else None,
-        "steps": len(bubbles),
-        "formula": (p - 1) / (v * m + p - 1),
-        "held": held,
-        "timeline": [[[e[0], e[1], e[2], e[3] - t0, e[4] - t0] for e in events]
-                     for events in last],
-    }
-
-
-def show_layout(rank, stage_ids, stages, pp_group, dp):
-    """Rank 0 prints which layers each rank of the first pipeline holds."""
-    mine = [(s, stage.names) for s, stage in zip(stage_ids, stages, strict=True)]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if rank == 0:
-        p = dist.get_world_size(pp_group)
-        held = " | ".join(f"rank {r}: " + ", ".join(f"stage {s} ({' '.join(names)})"
-                                                     for s, names in everyone[r])
-                          for r in range(p))
-        copies = f"; {dp} pipelines, each its own batches" if dp > 1 else ""
-        print(f"pipeline 0 {held}{copies}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
 class Trainer:
@@ -430,6 +336,7 @@ class Trainer:
         self.optimizer = optimizer
         self.device = device
         self.args = args
+        self.save_every = args.save_every
         self.rank = rank
         self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
         self.pp_group = pp_group  # this rank's pipeline: send and recv run along it
@@ -520,8 +427,8 @@ class Trainer:
                                "dp": self.args.dp, "stages": self.args.stages,
                                "schedule": self.args.schedule}, f)
             barrier()  # the folder exists before any rank writes into it
-            # Every rank writes its own layers to its own file (a layer that several pipelines
-            # hold, once); rank 0 then writes .metadata: which file holds which tensor.
+            # Every rank writes what it holds to its own file, all at once (a tensor held whole
+            # by several, once); rank 0 then writes .metadata: which file holds which chunk of what.
             dcp.save(self.training_state(), checkpoint_id=path)
         if self.is_main_process:  # this save is complete: older ones can go
             for old in glob.glob(os.path.join(self.checkpoint_dir, "epoch_*")):
@@ -531,8 +438,8 @@ class Trainer:
     def load_checkpoint(self, path):
         with open(os.path.join(path, "progress.json")) as f:
             progress = json.load(f)
-        # Each rank reads the layers it holds now, by name, from whichever file holds them: the
-        # checkpoint loads into any --stages, --schedule or --dp.
+        # Each rank reads, from whichever files hold them, exactly the pieces of each tensor it
+        # needs now: the checkpoint loads whatever --dp, --stages and --schedule wrote it.
         state = self.training_state()
         dcp.load(state, checkpoint_id=path)
         _, optimizer_state = get_state_dict(self.model, self.optimizer)
@@ -552,47 +459,9 @@ class Trainer:
             if self.is_main_process:
                 print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
                       f"| {time.perf_counter() - start:.3f} s", flush=True)
-            if self.epochs_completed % self.args.save_every == 0 or \
-                    self.epochs_completed == max_epochs:
+            if self.epochs_completed % self.save_every == 0 or self.epochs_completed == max_epochs:
                 self.save_checkpoint()  # every rank: each holds layers that others do not
         return self.losses
-
-    def schedule_report(self, pp_rank):
-        """With --simulate-ms, on rank 0: the bubble and each rank's order (first pipeline)."""
-        order = {"recorded": [f"{e[1]}{e[0]}{e[2]}" for e in self.events_of_last_step()],
-                 "defined": defined_order(self.schedule, self.args.schedule, pp_rank,
-                                          self.args.stages, self.args.microbatches)}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (self.timeline, order))
-        if not self.is_main_process:
-            return None
-        pipeline = everyone[:self.args.stages]  # ranks 0 .. stages - 1: the first pipeline
-        report = bubble_report([timeline for timeline, _ in pipeline], self.args)
-        report["order"] = [order for _, order in pipeline]
-        return report
-
-    def events_of_last_step(self):
-        return self.timeline[-1] if self.timeline else []
-
-
-def evaluate(model, test_set):
-    """Count correct predictions of the whole model over the test set, on rank 0's CPU."""
-    with torch.no_grad():
-        predictions = model(test_set.features).argmax(dim=1)
-    return int((predictions == test_set.labels).sum()), len(test_set)
-
-
-def print_schedule_report(report, args):
-    v = 2 if args.schedule == "interleaved" else 1
-    low, high = report["spread"] or (float("nan"),) * 2
-    print(f"bubble, --schedule {args.schedule}: p {args.stages} stages x v {v}, m "
-          f"{args.microbatches} micro-batches: measured {report['measured']:.3f} (median of "
-          f"{report['steps']} steps, {low:.3f} to {high:.3f}) | (p - 1) / (v*m + p - 1) = "
-          f"{report['formula']:.3f}", flush=True)
-    for r, (order, held) in enumerate(zip(report["order"], report["held"], strict=True)):
-        same = "yes" if order["recorded"] == order["defined"] else "NO"
-        print(f"rank {r}: {' '.join(order['recorded'])} | as {args.schedule} defines: {same} "
-              f"| activations held: at most {held} micro-batches", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,15 +477,17 @@ def main(rank, local_rank, args):
     # a pipeline works on the same samples, the first on their features, the last their labels.
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
 
-    # Seed before building the model so the initial weights are the same on every rank: each
-    # builds the whole model, as one process would, and keeps its own layers.
+    # Seed before building the model so the initial weights are the same on every rank.
     torch.manual_seed(args.seed)
     model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
     chunks = 2 if args.schedule == "interleaved" else 1
     # One stage per rank; interleaved: v = 2 smaller ones, stages r and r + p on rank r.
     stage_ids = [pp_rank + c * args.stages for c in range(chunks)]
     stages = split_model(model, stage_ids, args.stages * chunks)
-    show_layout(rank, stage_ids, stages, pp_group, args.dp)
+    if rank == 0:  # which layers each stage holds, and where: stage s on rank s % --stages
+        names, per = layer_names(model), (args.layers + 1) // (args.stages * chunks)
+        print("layers: " + " | ".join(f"stage {s} on rank {s % args.stages}: " + " ".join(
+            names[s * per:(s + 1) * per]) for s in range(len(names) // per)), flush=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, stages, stage_ids, train_loader, optimizer, device, args, rank,
                       pp_group, dp_group)
@@ -642,13 +513,16 @@ def main(rank, local_rank, args):
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
-    report = trainer.schedule_report(pp_rank) if trainer.timeline else None
+    # With --simulate-ms: every rank's timeline to rank 0, which measures the bubble.
+    report = schedule_report(trainer, pp_rank) if trainer.timeline else None
     model = trainer.whole_model()  # a collective: every rank sends its layers to rank 0
     if not trainer.is_main_process:
         return  # rank 0 holds every result now; it alone writes them
 
     save_atomically(model.state_dict(), os.path.join(args.out_dir, "final.pt"))
-    correct, total = evaluate(model, test_set)
+    with torch.no_grad():  # the whole model, on rank 0's CPU, over every test wine
+        correct = int((model(test_set.features).argmax(dim=1) == test_set.labels).sum())
+    total = len(test_set)
     if report:
         print_schedule_report(report, args)
     metrics = {
@@ -749,7 +623,8 @@ def parse_args(argv=None):
                         help="auto: NCCL when every rank has its own GPU, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a rank waits for the others before it stops with an error")
-    parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="hidden units; 64 is lesson 01's model")
     parser.add_argument("--layers", type=int, default=3,
                         help="hidden layers (lesson 08's): --layers + 1 linear layers to split")
     parser.add_argument("--simulate-ms", type=float,
