@@ -61,6 +61,14 @@ EXPECTED_TEXT = {
                            "drawing agrees with the measured bytes: True",
                            "drawing agrees with the checkpoint's chunks: True",
                            "equal within 1e-6: True", "test accuracy:"],
+    "10_pipeline_parallel": ["as 1f1b defines: yes", "as interleaved defines: yes",
+                             "every rank ran the order its schedule defines: True",
+                             "gpipe: at most [4, 4] micro-batches held; all m = 4: True",
+                             "1f1b: at most [2, 1] micro-batches held; p - s = [2, 1]: True",
+                             "replayed without overheads, each defined order has the formula's "
+                             "bubble: True",
+                             "same weights under all three schedules (within 1e-6): True",
+                             "test accuracy:"],
 }
 
 
@@ -215,8 +223,8 @@ def test_notebook_runs_top_to_bottom(path, jupyter_path, tmp_path, monkeypatch):
 
 def rank_runs(notebook):
     """The arguments of every run of several ranks a notebook starts (run_lesson calls and
-    command lists naming --world-size or --nproc-per-node), with *name and *map(str, name)
-    expanded from the notebook's own list assignments."""
+    command lists naming --world-size, --nproc-per-node or --stages), with *name and
+    *map(str, name) expanded from the notebook's own list assignments."""
     code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
     code = code.replace("%matplotlib inline", "")  # IPython's, not Python's
     tree = ast.parse(code)
@@ -242,7 +250,7 @@ def rank_runs(notebook):
             found = list(strings(node.elts))
         else:
             continue
-        if {"--world-size", "--nproc-per-node"} & set(found):
+        if {"--world-size", "--nproc-per-node", "--stages"} & set(found):
             yield found
 
 
