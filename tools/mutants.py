@@ -402,4 +402,57 @@ MUTANTS = [
         tests=("tests/test_09_tensor_parallel.py::test_2d_takes_the_steps_of_ddp_on_the_dp_ranks",),
         kind="refactor",
     ),
+    # --- lesson 10: pipeline parallelism ---
+    Mutant(
+        id="10-mean-loss-per-micro-batch",
+        file="10_pipeline_parallel/train.py",
+        find='reduction="sum") / self.real_rows',
+        replace='reduction="mean")',
+        claim="A micro-batch's loss is its share of the batch's mean: summed, over the batch's "
+              "real rows.",
+        readme="10_pipeline_parallel/README.md#a-short-last-batch-and-the-loss-of-a-micro-batch",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_unequal_micro_batches_need_the_batchs_mean_not_torchs_default",),
+    ),
+    Mutant(
+        id="10-1f1b-is-gpipe",
+        file="10_pipeline_parallel/train.py",
+        find='"1f1b": Schedule1F1B',
+        replace='"1f1b": ScheduleGPipe',
+        claim="1F1B runs p - s forwards, then a backward and a forward in turn: p - s held.",
+        readme="10_pipeline_parallel/README.md#the-library-pipelinestage-and-a-schedule",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_each_rank_runs_the_order_its_schedule_defines[1f1b]",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="10-afab-backwards-reversed",
+        file="10_pipeline_parallel/train.py",
+        find="for x, out in zip(inputs, outputs, strict=True):",
+        replace="for x, out in zip(inputs[::-1], outputs[::-1], strict=True):",
+        claim="afab by hand runs GPipe's order and ends on its weights to the last bit.",
+        readme="10_pipeline_parallel/README.md#by-hand-all-forwards-then-all-backwards",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_the_schedules_change_the_order_not_the_sums[4]",),
+    ),
+    Mutant(
+        id="10-pipelines-not-averaged",
+        file="10_pipeline_parallel/train.py",
+        find="            average_gradients(self.stages, self.dp_group)",
+        replace="            pass",
+        claim="--dp pipelines average each layer's gradients over their copies: DDP's steps.",
+        readme="10_pipeline_parallel/README.md#dp--pp-several-pipelines",
+        tests=("tests/test_10_pipeline_parallel.py::test_dp_pipelines_take_the_steps_of_ddp",),
+    ),
+    Mutant(
+        id="10-layers-not-checked",
+        file="10_pipeline_parallel/guard_rails.py",
+        find="if linears % pieces:",
+        replace="if False:",
+        claim="Layers that do not split evenly over the stages are refused in one line.",
+        readme="10_pipeline_parallel/README.md#pitfalls",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_layers_that_do_not_split_over_the_stages_get_one_line",),
+        kind="refactor",
+    ),
 ]
