@@ -92,10 +92,14 @@ def bubble_report(timelines, args):
 
 def print_schedule_report(report, args):
     v = 2 if args.schedule == "interleaved" else 1
-    low, high = report["spread"] or (float("nan"),) * 2
+    if report["steps"]:
+        low, high = report["spread"]
+        measured = (f"{report['measured']:.3f} (median of {report['steps']} steps, {low:.3f} "
+                    f"to {high:.3f})")
+    else:  # the first step also sets the pipeline up, and is left out: none was left
+        measured = "n/a (one step only; the first is left out: train more steps)"
     print(f"bubble, --schedule {args.schedule}: p {args.stages} stages x v {v}, m "
-          f"{args.microbatches} micro-batches: measured {report['measured']:.3f} (median of "
-          f"{report['steps']} steps, {low:.3f} to {high:.3f}) | (p - 1) / (v*m + p - 1) = "
+          f"{args.microbatches} micro-batches: measured {measured} | (p - 1) / (v*m + p - 1) = "
           f"{report['formula']:.3f}", flush=True)
     for r, (order, held) in enumerate(zip(report["order"], report["held"], strict=True)):
         same = "yes" if order["recorded"] == order["defined"] else "NO"

@@ -374,9 +374,10 @@ class Trainer:
                                self.loss_fn, self.pp_group)
         else:
             losses = []  # filled on the last stage, one loss per micro-batch
-            # Every rank of a pipeline passes the same batch: the schedule splits it into
-            # micro-batches; the first stage reads the features, the last one the labels.
-            self.schedule.step(features, target=labels, losses=losses)
+            # The schedule cuts the features for the first stage, the labels for the last.
+            first = (features,) if 0 in self.stage_ids else ()
+            self.schedule.step(*first, target=labels if self.has_last_stage else None,
+                               losses=losses)
         if self.args.dp > 1:
             average_gradients(self.stages, self.dp_group)
         self.optimizer.step()
