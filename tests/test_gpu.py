@@ -113,10 +113,11 @@ def test_more_ranks_than_gpus_fall_back_to_gloo_and_say_so(lesson_run):
 # pair of GPUs per rank, or one GPU for its one rank: 1 process below 4 GPUs, then 2.
 @pytest.mark.parametrize("lesson", ["03_multi_node", "04_checkpointing", "05_model_parallel_ddp",
                                     "06_ddp_in_practice", "07_sharding", "08_ddp_from_scratch",
-                                    "09_tensor_parallel"])
+                                    "09_tensor_parallel", "10_pipeline_parallel"])
 def test_torchrun_starts_one_nccl_rank_per_gpu(lesson, tmp_path):
     nproc = max(1, min(GPUS // 2, 2)) if lesson == "05_model_parallel_ddp" else NCCL_WORLD
     tp = ["--tp", nproc] if lesson == "09_tensor_parallel" else []  # one TP group of them all
+    tp += ["--stages", nproc] if lesson == "10_pipeline_parallel" else []  # one pipeline
     result = run_torchrun(lesson, *tp, "--out-dir", tmp_path, nproc=nproc)
     metrics = assert_good_run(result, tmp_path, world_size=nproc)
     assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
