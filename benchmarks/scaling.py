@@ -13,7 +13,11 @@ the backend. Next to DDP, lesson 07's sharded strategies at every world size: Ze
 ZeroRedundancyOptimizer) and FSDP2 (fully_shard), with the bytes of parameters, gradients and
 optimizer state each rank holds, and on GPUs each rank's peak memory; and lesson 09's layouts of
 the wine MLP: tensor parallelism (tp, fc1 column-wise and fc2 row-wise over all the ranks) and
-2-D (dp x tp, FSDP over "dp" of TP groups of 2), whose TP ranks read the same batch.
+2-D (dp x tp, FSDP over "dp" of TP groups of 2), whose TP ranks read the same batch. With
+--pipeline, lesson 10's schedules (afab, gpipe, 1f1b, interleaved) on its deeper wine MLP, one
+stage per rank: the bubble, measured with --simulate-ms (each layer sleeps, so a stage's compute
+is known), and the samples/s with and without it, against one process running the same
+micro-batches in turn.
 On GPUs ResNet-18 runs as it is trained there: 224x224 images, batch 256 per GPU, bf16 autocast,
 channels_last. Nothing is downloaded.
 
@@ -39,10 +43,12 @@ Run it:
     CUDA_VISIBLE_DEVICES=0,1 python benchmarks/scaling.py # NCCL DDP and DataParallel, 1-2 GPUs
     python benchmarks/scaling.py --models resnet18 --knobs none --sharded none \
         --grad-sync after-backward,flat,overlap,buckets,ddp   # lesson 08's modes beside DDP
+    python benchmarks/scaling.py --models wine-mlp --max-world-size 4 --knobs none \
+        --sharded none --tensor-parallel none --pipeline afab,gpipe,1f1b,interleaved
 
 It writes results.json and results.csv (one row per training case), allreduce.json and
-allreduce.csv (one row per message size), run.json (machine, command, load, noise check) and
-scaling.png into --out-dir.
+allreduce.csv (one row per message size), pipeline.json and pipeline.csv (one row per pipeline
+case), run.json (machine, command, load, noise check) and scaling.png into --out-dir.
 """
 
 import argparse
@@ -101,6 +107,19 @@ BANDWIDTH_FIELDS = ("backend", "device", "world_size", "size_bytes", "iters", "r
 # and finish(), to call between loss.backward() and optimizer.step().
 LESSON08 = Path(__file__).resolve().parent.parent / "08_ddp_from_scratch"
 GRAD_SYNC = ("after-backward", "flat", "overlap", "buckets", "ddp")
+# Lesson 10's schedules, measured with --pipeline: its own Trainer.train_step on its deeper wine
+# MLP (WineMLP(hidden, layers)), split by its split_model, one stage per rank (interleaved: two).
+LESSON10 = Path(__file__).resolve().parent.parent / "10_pipeline_parallel"
+PIPELINE = ("afab", "gpipe", "1f1b", "interleaved")
+# "pipeline": a schedule on p ranks; "one-process": the whole model on one rank, its micro-batches
+# one after another (the lesson's afab step on 1 stage): what p stages are compared with.
+PIPELINE_CASES = ("pipeline", "one-process")
+PIPELINE_FIELDS = ("model", "case", "schedule", "world_size", "stages", "chunks", "processes",
+                   "backend", "device", "threads_per_rank", "layers", "microbatches",
+                   "global_batch", "simulate_ms", "steps", "warmup", "repeats", "seconds",
+                   "samples_per_s", "samples_per_s_min", "samples_per_s_max", "speedup",
+                   "bubble_formula", "bubble", "bubble_min", "bubble_max", "ideal_speedup",
+                   "repeat_samples_per_s", "repeat_bubble", "repeat_order")
 # Cases whose ranks never communicate while timed: each rank trains a model of its own.
 ALONE = ("plain", "single-process-all-cores", "ceiling")
 # FSDP warns, once per rank, that a layer split by TP "returned a view tensor" (TP's output, as a
@@ -519,6 +538,82 @@ def lesson08():
     return module
 
 
+@functools.cache
+def lesson10(name="train"):
+    """A file of lesson 10 as a module: train.py, or timeline.py (its bubble's instrument,
+    with bubble_report), imported with the lesson's folder on sys.path, where train.py finds
+    timeline.py and guard_rails.py (byte-identical to lesson 08's)."""
+    if str(LESSON10) not in sys.path:
+        sys.path.insert(0, str(LESSON10))
+    spec = importlib.util.spec_from_file_location(f"lesson10_{name}", LESSON10 / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_pipeline_case(case, device, group, rank):
+    """A pipeline case, built and warmed up with lesson 10's own pieces: its WineMLP(hidden,
+    layers) from the same seed on every rank, split_model (this rank's stage; interleaved: two),
+    Adam, and its Trainer, whose train_step runs one step of the schedule (afab by hand, the
+    others torch's), and with simulate_ms sleeps in each layer and records every forward and
+    backward. group: the case's ranks (None: every rank of the launch).
+
+    Returns (work, record): work() runs one repeat, the case's `steps` steps on one fixed batch,
+    the same on every stage (the first reads its features, the last its labels); record holds
+    the trainer's timeline (a list of events per step) and where each call of work() began in
+    it, for pipeline_bubbles."""
+    train = lesson10()
+    group = group or dist.group.WORLD
+    p, v = case["stages"], case["chunks"]
+    stage_ids = [dist.get_rank(group) + c * p for c in range(v)]
+    torch.manual_seed(0)  # the same initial weights on every rank; each keeps its own layers
+    model = train.WineMLP(hidden=HIDDEN, layers=case["layers"]).to(device)
+    stages = train.split_model(model, stage_ids, p * v)
+    # The lesson's own flags, parsed by its parse_args: every setting its Trainer reads, with
+    # the lesson's defaults (its --lr for Adam) for those the case does not set.
+    simulate = [] if case["simulate_ms"] is None else ["--simulate-ms", str(case["simulate_ms"])]
+    settings = train.parse_args(["--schedule", case["schedule"], "--stages", str(p),
+                                 "--microbatches", str(case["microbatches"]),
+                                 "--batch-size", str(case["global_batch"]),
+                                 "--layers", str(case["layers"]), "--hidden", str(HIDDEN),
+                                 *simulate])
+    settings.dp = 1  # one pipeline: no gradients to average across pipelines
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    trainer = train.Trainer(model, stages, stage_ids, None, optimizer, device, settings, rank,
+                            group, None)
+    features, labels = make_batch("wine-mlp", case["global_batch"], None, device, seed=0)
+    # The first step also sets the pipeline up (torch's stages exchange their shapes).
+    for _ in range(case["warmup"]):
+        trainer.train_step(features, labels)
+    synchronize(device)
+    record = {"timeline": trainer.timeline, "starts": []}
+
+    def work():
+        record["starts"].append(len(trainer.timeline))
+        for _ in range(case["steps"]):
+            trainer.train_step(features, labels)
+        synchronize(device)
+
+    return work, record
+
+
+def pipeline_bubbles(case, record, repeats):
+    """The bubble of each measured repeat (the last `repeats` calls of work()): lesson 10's
+    bubble_report over the repeat's steps, from every stage's timeline, the median of their
+    bubbles (1 - busy time of the p ranks / (p x the step's wall time)). A collective: every
+    rank of the launch calls it, in the same order; a rank outside the case passes None."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, record)
+    timelines = [mine["timeline"] for mine in everyone[:case["world_size"]]]
+    settings = argparse.Namespace(stages=case["stages"], schedule=case["schedule"],
+                                  microbatches=case["microbatches"])
+    # bubble_report leaves out the first step it is given (the lesson's step 0, which sets the
+    # pipeline up): here, the step before the repeat, so every step of the repeat counts.
+    report = lesson10("timeline").bubble_report
+    return [report([t[start - 1:start + case["steps"]] for t in timelines], settings)["measured"]
+            for start in everyone[0]["starts"][-repeats:]]
+
+
 def build_allreduce_case(case, device, groups):
     """All-reduces of one message size, timed the way nccl-tests does; work() runs `iters`."""
     group = groups[case["backend"]]
@@ -582,6 +677,22 @@ def summarise(case, seconds, order, held, processes):
     return row
 
 
+def summarise_pipeline(case, seconds, order, bubbles, processes):
+    """A pipeline case's row: samples/s and (with simulate_ms) the bubble, each the median of
+    the repeats with their spread, and the bubble's formula for the case's p, v and m."""
+    rates = [case["global_batch"] * case["steps"] / s for s in seconds]
+    row = {field: case.get(field) for field in PIPELINE_FIELDS}
+    row.update(processes=processes, repeats=len(rates), seconds=statistics.median(seconds),
+               samples_per_s=statistics.median(rates), samples_per_s_min=min(rates),
+               samples_per_s_max=max(rates), repeat_samples_per_s=rates, repeat_order=order,
+               bubble_formula=bubble_formula(case["stages"], case["chunks"],
+                                             case["microbatches"]))
+    if bubbles:
+        row.update(bubble=statistics.median(bubbles), bubble_min=min(bubbles),
+                   bubble_max=max(bubbles), repeat_bubble=bubbles)
+    return row
+
+
 def case_name(case):
     """'ddp', a knob as 'static_graph=True', lesson 08's mode as 'lesson08 buckets', or lesson
     09's layout with its mesh as '2d (dp 2 x tp 2)'."""
@@ -596,6 +707,14 @@ def case_name(case):
 
 
 def describe(case):
+    if case["case"] in PIPELINE_CASES:
+        simulated = (f"simulated {case['simulate_ms']:g} ms/layer" if case["simulate_ms"]
+                     is not None else "not simulated")
+        where = (f"{case['schedule']} p={case['stages']} x v={case['chunks']}"
+                 if case["case"] == "pipeline" else "one process")
+        return (f"{case['model']} --layers {case['layers']} pipeline {where}, "
+                f"{case['microbatches']} micro-batches, {simulated} ws={case['world_size']} "
+                f"({case['threads_per_rank']} thread(s)/rank, batch {case['global_batch']})")
     if case["case"] == "allreduce":
         return (f"all-reduce {case['backend']} on {case['device']} ws={case['world_size']} "
                 f"{format_bytes(case['size_bytes'])}")
@@ -636,9 +755,18 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
                 layout = tensor_layout(case["case"], case["world_size"])
                 if layout not in meshes:
                     meshes[layout] = build_mesh(*layout, device, args.timeout)
-        works, held = [], []
-        for case in cases:
+        works, held, records = [], [], {}
+        for index, case in enumerate(cases):
             torch.set_num_threads(case["threads_per_rank"])
+            if case["case"] in PIPELINE_CASES:
+                # No memory figures, so no collective here for a rank outside the case.
+                work, records[index] = (lambda: None), None
+                if rank < case["world_size"]:
+                    work, records[index] = build_pipeline_case(
+                        case, device, subgroups.get(case["world_size"]), rank)
+                works.append(work)
+                held.append(None)
+                continue
             if rank >= case["world_size"]:
                 work, mine = (lambda: None), [0, 0, 0, -1]  # not one of this case's ranks
             elif case["case"] == "allreduce":
@@ -693,11 +821,24 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
         for index in checks["end"]:
             for _ in range(args.repeats):
                 measure(index)
-        rows = [summarise(case, *measured, world_size)
-                for case, *measured in zip(cases, seconds, order, held, strict=True)]
+        # The bubbles of the simulated pipeline cases, from every stage's timeline.
+        bubbles = {index: pipeline_bubbles(cases[index], record, args.repeats)
+                   for index, record in records.items()
+                   if cases[index]["simulate_ms"] is not None}
+        rows = [summarise_pipeline(case, seconds[i], order[i], bubbles.get(i), world_size)
+                if case["case"] in PIPELINE_CASES else
+                summarise(case, seconds[i], order[i], held[i], world_size)
+                for i, case in enumerate(cases)]
         if rank == 0:
             for case, row in zip(cases, rows, strict=True):
-                if case["case"] == "allreduce":
+                if case["case"] in PIPELINE_CASES:
+                    result = (f"{row['samples_per_s']:.1f} samples/s "
+                              f"({row['samples_per_s_min']:.1f}-{row['samples_per_s_max']:.1f})")
+                    if row["bubble"] is not None:
+                        result += (f", bubble {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
+                                   f"{row['bubble_max']:.3f}), formula "
+                                   f"{row['bubble_formula']:.3f}")
+                elif case["case"] == "allreduce":
                     result = (f"busbw {row['busbw_GBps']:.3f} GB/s" if row["busbw_GBps"] is not None
                               else f"algbw {row['algbw_GBps']:.3f} GB/s (busbw N/A with 1 rank)")
                 else:
@@ -906,6 +1047,33 @@ def plan_cases(args, device_type, cores):
                     "case": "allreduce", "backend": bw_backend, "device": device_type,
                     "world_size": world_size, "size_bytes": size, "iters": args.allreduce_iters,
                     "warmup": 2, "threads_per_rank": max(1, cores // world_size)})
+    # Lesson 10's schedules at every world size p of 2 or more where they fit, each in the p-rank
+    # launch beside one process running the same micro-batches in turn (the other ranks
+    # waiting), with the same threads per rank; each simulated and not.
+    if args.pipeline and top == 1:
+        skipped.append(f"pipeline ({', '.join(args.pipeline)}): one rank holds the whole model, "
+                       "a pipeline of one stage; it needs 2 or more ranks")
+    simulated = [args.simulate_ms, None]
+    for world_size in world_sizes[1:] if args.pipeline else []:
+        fits = [s for s in args.pipeline if not pipeline_problem(s, world_size, args)]
+        reasons = {}  # the schedules left out, by reason
+        for schedule in (s for s in args.pipeline if s not in fits):
+            reasons.setdefault(pipeline_problem(schedule, world_size, args), []).append(schedule)
+        for reason, left_out in reasons.items():
+            skipped.append(f"pipeline {', '.join(left_out)} at world size {world_size}: {reason}")
+        for simulate_ms in simulated if fits else []:
+            for case, schedule in [("one-process", "afab")] + [("pipeline", s) for s in fits]:
+                stages = world_size if case == "pipeline" else 1
+                plan[world_size].append({
+                    "case": case, "model": "wine-mlp", "schedule": schedule, "knob": None,
+                    "world_size": stages, "stages": stages,
+                    "chunks": 2 if schedule == "interleaved" else 1, "backend": backend,
+                    "device": device_type, "threads_per_rank": max(1, cores // world_size),
+                    "layers": args.pipeline_layers, "microbatches": args.microbatches,
+                    "global_batch": args.batch_size, "simulate_ms": simulate_ms,
+                    "steps": args.pipeline_steps if simulate_ms is None else args.bubble_steps,
+                    # A simulated step sleeps for long: one warm-up step sets the pipeline up.
+                    "warmup": args.warmup if simulate_ms is None else 1})
     plan[top] = [{**noise_case, "noise_check": "start"}, *plan[top],
                  {**noise_case, "noise_check": "end"}]
     index = 0
@@ -923,6 +1091,30 @@ def tensor_parallel_sizes(layout, top):
     if layout == "tp":
         return [n for n in range(2, top + 1) if HIDDEN % n == 0]
     return [n for n in range(2 * TP_2D, top + 1) if n % TP_2D == 0 and HIDDEN % TP_2D == 0]
+
+
+def bubble_formula(stages, chunks, microbatches):
+    """The bubble of a schedule with no overheads: of the v*m + p - 1 slots a stage's work
+    spreads over (each of its v chunks' m micro-batches, plus p - 1 while the pipeline fills
+    and drains), p - 1 are idle."""
+    return (stages - 1) / (chunks * microbatches + stages - 1)
+
+
+def pipeline_problem(schedule, stages, args):
+    """Why lesson 10's schedule cannot run on this many stages, or None (its check_pipeline's
+    rules): the linear layers split evenly over the stages (interleaved: 2 per rank), 1f1b and
+    interleaved need a micro-batch per stage, interleaved a multiple of the stages."""
+    pieces, linears = stages * (2 if schedule == "interleaved" else 1), args.pipeline_layers + 1
+    if linears % pieces:
+        return f"{linears} linear layers (--pipeline-layers {args.pipeline_layers}) do not " \
+               f"split evenly into {pieces} stages"
+    if schedule in ("1f1b", "interleaved") and args.microbatches < stages:
+        return f"{schedule} needs at least one micro-batch per stage (--microbatches " \
+               f"{args.microbatches})"
+    if schedule == "interleaved" and args.microbatches % stages:
+        return f"interleaved runs micro-batches in rounds of the stages (--microbatches " \
+               f"{args.microbatches} is not a multiple of {stages})"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -971,6 +1163,21 @@ def add_speedups(rows):
         plain = alone and find_row(rows, row["model"], alone, 1)
         if plain and row is find_row(rows, row["model"], row["case"], 1):
             row["ddp_cost_pct"] = 100 * (1 - row["samples_per_s"] / plain["samples_per_s"])
+    return rows
+
+
+def add_pipeline_speedups(rows):
+    """speedup = samples/s / that of one process with the same micro-batches, threads and
+    simulation, measured in the same launch; ideal_speedup (simulated rows) = p x (1 - the
+    bubble's formula): p stages that each sleep 1/p of the model's time, idle that share."""
+    for row in rows:
+        base = next((r for r in rows if r["case"] == "one-process" and
+                     (r["processes"], r["simulate_ms"]) == (row["processes"], row["simulate_ms"])),
+                    None)
+        if base:
+            row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
+        if row["simulate_ms"] is not None:
+            row["ideal_speedup"] = row["stages"] * (1 - row["bubble_formula"])
     return rows
 
 
@@ -1084,6 +1291,48 @@ def print_tables(rows, bandwidth_rows):
                   f"{row['seconds_per_op_min'] * 1e3:8.3f}-{row['seconds_per_op_max'] * 1e3:.3f}"
                   f" {row['algbw_GBps']:11.3f} "
                   f"{number(row['busbw_GBps'], '11.3f'):>11}")
+
+
+def print_pipeline(rows):
+    """Lesson 10's schedules: the bubble against its formula, samples/s with and without the
+    simulated compute, each against one process running the same micro-batches."""
+    if not rows:
+        return
+    first = rows[0]
+    print(f"\nPipeline (lesson 10): the wine MLP with --layers {first['layers']} "
+          f"({first['layers'] + 1} linear layers), batch {first['global_batch']} in "
+          f"{first['microbatches']} micro-batches; median of the repeats (min-max). bubble: "
+          "idle share of the p ranks' time per step, with each layer sleeping "
+          f"{number(first['simulate_ms'], 'g')} ms forward and "
+          "twice that backward, against (p - 1) / (v*m + p - 1); speed-up: against one process "
+          "running the same micro-batches in turn, same threads, measured in the same launch; "
+          "ideal: p x (1 - formula)")
+    header = (f"{'schedule':12} {'p x v':>5} {'formula':>7} {'bubble':>6} {'min-max':>11} "
+              f"{'sim. samples/s':>14} {'min-max':>13} {'speed-up':>8} {'ideal':>5} "
+              f"{'samples/s':>9} {'min-max':>15} {'speed-up':>8}")
+    print(header)
+    print("-" * len(header))
+    pairs = {}
+    for row in rows:
+        key = (row["processes"], row["case"], row["schedule"])
+        pairs.setdefault(key, {})["sim" if row["simulate_ms"] is not None else "plain"] = row
+    for (_, case, schedule), pair in pairs.items():
+        sim, plain = pair.get("sim"), pair.get("plain")
+        any_row = sim or plain
+        name = schedule if case == "pipeline" else "one process"
+        columns = f"{name:12} {any_row['stages']:>3}x{any_row['chunks']} " \
+                  f"{any_row['bubble_formula']:7.3f} "
+        if sim:
+            columns += (f"{sim['bubble']:6.3f} {sim['bubble_min']:.3f}-{sim['bubble_max']:.3f} "
+                        f"{sim['samples_per_s']:14.1f} {spread(sim):>13} "
+                        f"{number(sim['speedup'], '8.2f'):>8} "
+                        f"{number(sim['ideal_speedup'], '5.2f'):>5} ")
+        else:
+            columns += f"{'':6} {'':11} {'':14} {'':13} {'':8} {'':5} "
+        if plain:
+            columns += (f"{plain['samples_per_s']:9.1f} {spread(plain):>15} "
+                        f"{number(plain['speedup'], '8.2f'):>8}")
+        print(columns)
 
 
 def held_bytes(row):
@@ -1278,6 +1527,12 @@ def main(args):
             print(f"wine-mlp {', '.join(args.tensor_parallel)}: lesson 09's layouts; the ranks "
                   f"of a TP group read the same batch, so its samples/s counts it once "
                   f"(global batch = batch per rank x dp)", flush=True)
+    if args.pipeline:
+        print(f"pipeline {', '.join(args.pipeline)}: lesson 10's schedules on its wine MLP with "
+              f"--layers {args.pipeline_layers}, batch {args.batch_size} in "
+              f"{args.microbatches} micro-batches, {args.bubble_steps} timed step(s) per repeat "
+              f"with each layer sleeping {args.simulate_ms:g} ms forward and twice that "
+              f"backward (the bubble), {args.pipeline_steps} without (samples/s)", flush=True)
     for reason in skipped:
         print(f"skipped: {reason}", flush=True)
     print(f"{total} cases over world sizes 1..{args.max_world_size} ({backend}), each the "
@@ -1289,7 +1544,8 @@ def main(args):
     first, again = (next(r for r in results if r.get("noise_check") == when)
                     for when in ("start", "end"))
     results = [r for r in results if "noise_check" not in r]
-    rows = add_speedups([r for r in results if "samples_per_s" in r])
+    pipeline_rows = add_pipeline_speedups([r for r in results if "schedule" in r])
+    rows = add_speedups([r for r in results if "samples_per_s" in r and "schedule" not in r])
     bandwidth_rows = [r for r in results if "algbw_GBps" in r]
     what = f"{first['model']} plain, world size 1, every core"
     difference, too_busy = noise_check(what, first["samples_per_s"], again["samples_per_s"],
@@ -1297,6 +1553,7 @@ def main(args):
 
     write_rows(rows, ROW_FIELDS, "results", args.out_dir)
     write_rows(bandwidth_rows, BANDWIDTH_FIELDS, "allreduce", args.out_dir)
+    write_rows(pipeline_rows, PIPELINE_FIELDS, "pipeline", args.out_dir)
     plot(rows, bandwidth_rows, os.path.join(args.out_dir, "scaling.png"))
     run_info = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -1316,6 +1573,7 @@ def main(args):
     with open(os.path.join(args.out_dir, "run.json"), "w") as f:
         json.dump(run_info, f, indent=2)
     print_tables(rows, bandwidth_rows)
+    print_pipeline(pipeline_rows)
     print(f"\nnoise check: {what} ran {first['samples_per_s']:.1f} samples/s ({spread(first)}) "
           f"before the last launch's rounds and {again['samples_per_s']:.1f} ({spread(again)}) "
           f"after them, "
@@ -1367,6 +1625,7 @@ def default_settings(device_type, quick, bf16_supported=False):
                  "warmup": (3, 2), "precision": ("fp32", "fp32"),
                  "channels_last": (False, False)}
     table.update({"repeats": (5, 3), "mlp_steps": (200, 100), "allreduce_iters": (10, 5),
+                  "pipeline_steps": (20, 10), "bubble_steps": (2, 1),
                   "allreduce_sizes": ("4K,64K,1M,16M,64M", "4K,1M,16M")})
     return {name: quick_value if quick else full for name, (full, quick_value) in table.items()}
 
@@ -1443,6 +1702,27 @@ def parse_args(argv=None):
                              "the largest world size (on the CPU with the per-worker threads), "
                              f"comma-separated from {','.join(GRAD_SYNC)}, or none; it imports "
                              "08_ddp_from_scratch/train.py")
+    parser.add_argument("--pipeline", default="none",
+                        help="lesson 10's schedules to measure at every world size of 2 or "
+                             "more where they fit, one stage per rank, comma-separated from "
+                             f"{','.join(PIPELINE)}, or none; it imports "
+                             "10_pipeline_parallel/train.py")
+    parser.add_argument("--pipeline-layers", type=int, default=7,
+                        help="hidden layers of lesson 10's wine MLP for --pipeline (its "
+                             "--layers): --pipeline-layers + 1 linear layers split over the "
+                             "stages")
+    parser.add_argument("--microbatches", type=int, default=8,
+                        help="micro-batches each --pipeline batch (--batch-size) is cut into")
+    parser.add_argument("--simulate-ms", type=float, default=10.0,
+                        help="for the bubble of --pipeline: each layer sleeps this long forward "
+                             "and twice that backward (lesson 10's --simulate-ms); a sleep "
+                             "takes no CPU, so more ranks than cores keep a clean timeline")
+    parser.add_argument("--bubble-steps", type=int, default=None,
+                        help="timed steps per repeat of a --pipeline case with --simulate-ms; a "
+                             "repeat's bubble is the median of its steps' (default 2; quick: 1)")
+    parser.add_argument("--pipeline-steps", type=int, default=None,
+                        help="timed steps per repeat of a --pipeline case without simulated "
+                             "compute (default 20; quick: 10)")
     parser.add_argument("--accumulate", type=int, default=4,
                         help="micro-batches per optimizer step for the no_sync knob")
     parser.add_argument("--allreduce-sizes", default=None,
@@ -1480,6 +1760,10 @@ def parse_args(argv=None):
     args.sharded = parse_list(args.sharded, SHARDED, "--sharded")
     args.tensor_parallel = parse_list(args.tensor_parallel, TENSOR_PARALLEL, "--tensor-parallel")
     args.grad_sync = parse_list(args.grad_sync, GRAD_SYNC, "--grad-sync")
+    args.pipeline = parse_list(args.pipeline, PIPELINE, "--pipeline")
+    if args.pipeline and not (LESSON10 / "train.py").exists():
+        fail(f"--pipeline needs lesson 10's {LESSON10 / 'train.py'}, which is missing; run "
+             "from a full copy of the course, or leave --pipeline out")
     if args.grad_sync and not (LESSON08 / "train.py").exists():
         fail(f"--grad-sync needs lesson 08's {LESSON08 / 'train.py'}, which is missing; run "
              "from a full copy of the course, or leave --grad-sync out")
@@ -1495,9 +1779,15 @@ def parse_args(argv=None):
         args.threads_per_worker = max(1, cpu_cores() // max(args.max_world_size, 1))
     for name in ("max_world_size", "batch_size", "image_size", "steps", "mlp_steps",
                  "accumulate", "allreduce_iters", "timeout", "threads_per_worker", "repeats",
-                 "warmup"):
+                 "warmup", "pipeline_layers", "microbatches", "bubble_steps", "pipeline_steps"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if not 0 <= args.simulate_ms < float("inf"):  # nan fails this too
+        fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
+    if args.pipeline and args.batch_size % args.microbatches:
+        fail(f"--microbatches {args.microbatches} does not divide --batch-size "
+             f"{args.batch_size}: every micro-batch of a pipeline must have the same shape; "
+             "choose a --batch-size that is a multiple of --microbatches")
     if "resnet18" in args.models and args.image_size < 32:
         fail(f"--image-size {args.image_size} is too small for ResNet-18's five halvings; "
              "use 32 or more")

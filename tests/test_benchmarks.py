@@ -4,7 +4,9 @@ The figures themselves depend on the machine; what is checked is that the run fi
 every file, that the rows have the documented schema, that every figure is the median of repeats
 measured in rounds (round robin), that every derived figure (speed-up, efficiency, efficiency
 against the ceiling, DDP's cost at world size 1) is the documented formula of the measured ones,
-and what the noise check says when two measurements disagree. No figure is timed here. The GPU
+and what the noise check says when two measurements disagree. Lesson 10's schedules run in the
+same 2-rank launch, tiny: every schedule's row, its bubble beside the formula, its samples/s
+and speed-up against one process. No figure is timed here. The GPU
 settings, which no CPU run exercises, are checked on a pretend GPU: the defaults and the plan of
 cases a run on 1 or 2 GPUs would measure, built without touching CUDA. How a rank leaves its
 groups is checked too: a group beside the launch's waits no longer than its timeout, and after a
@@ -32,6 +34,11 @@ REPEATS = 2
 TINY = ["--quick", "--image-size", 32, "--batch-size", 2, "--steps", 1, "--warmup", 1,
         "--mlp-steps", 10, "--allreduce-sizes", "4K,64K", "--allreduce-iters", 2,
         "--repeats", REPEATS]
+# Lesson 10's four schedules on 2 stages, tiny: 4 linear layers (interleaved: 4 chunks of 1),
+# batch 2 in 2 micro-batches, layers sleeping 2 ms (1 step per repeat), 2 steps without.
+SCHEDULES = ("afab", "gpipe", "1f1b", "interleaved")
+PIPELINE_TINY = ["--pipeline", ",".join(SCHEDULES), "--pipeline-layers", 3, "--microbatches", 2,
+                 "--simulate-ms", 2, "--pipeline-steps", 2, "--bubble-steps", 1]
 ROW_TYPES = {"model": str, "case": str, "world_size": int, "processes": int, "backend": str,
              "device": str, "threads_per_rank": int, "batch_per_rank": int, "global_batch": int,
              "precision": str, "channels_last": bool, "accumulate": int, "steps": int,
@@ -69,15 +76,16 @@ def read_rows(out_dir, stem):
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("benchmarks")
-    result = run_benchmark(*TINY, "--device", "cpu", "--max-world-size", 2, "--out-dir", out_dir)
+    result = run_benchmark(*TINY, *PIPELINE_TINY, "--device", "cpu", "--max-world-size", 2,
+                           "--out-dir", out_dir)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     return result, out_dir
 
 
 def test_quick_run_writes_every_file(cpu_run):
     _, out_dir = cpu_run
-    for name in ("results.json", "results.csv", "allreduce.json", "allreduce.csv", "run.json",
-                 "scaling.png"):
+    for name in ("results.json", "results.csv", "allreduce.json", "allreduce.csv",
+                 "pipeline.json", "pipeline.csv", "run.json", "scaling.png"):
         assert (out_dir / name).stat().st_size > 0, f"{name} missing or empty"
     with open(out_dir / "scaling.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -149,7 +157,8 @@ def test_every_figure_is_the_median_of_repeats_measured_in_rounds(cpu_run):
     _, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "results")
     bandwidth, _ = read_rows(out_dir, "allreduce")
-    for row in rows:
+    pipeline, _ = read_rows(out_dir, "pipeline")
+    for row in rows + pipeline:
         each = row["repeat_samples_per_s"]
         assert row["repeats"] == len(each) == len(row["repeat_order"]) == REPEATS, row
         assert row["samples_per_s"] == pytest.approx(statistics.median(each)), row
@@ -161,7 +170,7 @@ def test_every_figure_is_the_median_of_repeats_measured_in_rounds(cpu_run):
         assert row["repeats"] == len(row["repeat_order"]) == REPEATS, row
         assert row["seconds_per_op_min"] <= row["seconds_per_op"] <= row["seconds_per_op_max"]
     launches = {}
-    for row in rows + bandwidth:
+    for row in rows + bandwidth + pipeline:
         launches.setdefault(row.get("processes", row["world_size"]), []).append(row["repeat_order"])
     assert set(launches) == {1, 2}
     for orders in launches.values():
@@ -451,8 +460,9 @@ def test_fsdp_refuses_channels_last_which_its_rows_avoid():
 
 def test_csv_has_the_same_rows_as_the_json(cpu_run):
     _, out_dir = cpu_run
-    for stem in ("results", "allreduce"):
+    for stem in ("results", "allreduce", "pipeline"):
         rows, csv_rows = read_rows(out_dir, stem)
+        assert rows, stem
         assert len(csv_rows) == len(rows), stem
         for row, csv_row in zip(rows, csv_rows, strict=True):
             # A list (each repeat's figure) is one cell, its numbers separated by spaces.
@@ -486,12 +496,16 @@ def test_bus_bandwidth_is_algbw_times_2_n_minus_1_over_n(world_size, factor):
 
 def test_progress_and_table_are_printed(cpu_run):
     result, _ = cpu_run
-    assert "[1/36] wine-mlp plain ws=1" in result.stdout, result.stdout
-    assert "[3/36] wine-mlp zero1 ws=1" in result.stdout, result.stdout
-    assert "[11/36] resnet18 plain (noise check, before the rounds) ws=1" in result.stdout
-    assert "[15/36] wine-mlp tp (dp 1 x tp 2) ws=2" in result.stdout, result.stdout
-    assert "[35/36] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
-    assert "[36/36] resnet18 plain (noise check, after the rounds) ws=1" in result.stdout
+    assert "[1/46] wine-mlp plain ws=1" in result.stdout, result.stdout
+    assert "[3/46] wine-mlp zero1 ws=1" in result.stdout, result.stdout
+    assert "[11/46] resnet18 plain (noise check, before the rounds) ws=1" in result.stdout
+    assert "[15/46] wine-mlp tp (dp 1 x tp 2) ws=2" in result.stdout, result.stdout
+    assert "[35/46] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
+    assert ("[36/46] wine-mlp --layers 3 pipeline one process, 2 micro-batches, simulated 2 "
+            "ms/layer ws=1") in result.stdout, result.stdout
+    assert ("[40/46] wine-mlp --layers 3 pipeline interleaved p=2 x v=2, 2 micro-batches, "
+            "simulated 2 ms/layer ws=2") in result.stdout, result.stdout
+    assert "[46/46] resnet18 plain (noise check, after the rounds) ws=1" in result.stdout
     # What lesson 09's layouts leave out, and why, the way other skipped cases are reported.
     for line in ("skipped: resnet18 tp, 2d: lesson 09's plan splits Linear layers",
                  "skipped: wine-mlp tp at world size(s) 1: one TP group of every rank needs 2",
@@ -501,7 +515,8 @@ def test_progress_and_table_are_printed(cpu_run):
     assert f"world size 2: round {REPEATS}/{REPEATS} done" in result.stdout, result.stdout
     assert "GPU cases (NCCL DDP, DataParallel, NCCL vs gloo on GPU tensors) skipped" in \
         result.stdout
-    for title in ("Training throughput", "Memory per rank, MiB", "All-reduce bandwidth"):
+    for title in ("Training throughput", "Memory per rank, MiB", "All-reduce bandwidth",
+                  "Pipeline (lesson 10)"):
         assert title in result.stdout, result.stdout
 
 
@@ -545,6 +560,116 @@ def test_noise_check_says_when_the_machine_is_too_busy():
                          f"{difference:+.1f}%", "load average 3.25, 2.50, 1.00", "run again"):
             assert fragment in message, (fragment, message)
     assert "load average unknown" in scaling.noise_check(what, 60.0, 50.0, None)[1]
+
+
+def test_pipeline_rows_give_every_schedules_bubble_beside_its_formula(cpu_run):
+    """Lesson 10's four schedules on 2 stages, each simulated (the bubble) and not, beside one
+    process running the same micro-batches in turn: the formula column is (p - 1) / (v*m + p -
+    1) for each row's p, v and m, the bubble the median of its repeats' (each within [0, 1)),
+    samples/s and the speed-up against the one process of the same launch and simulation."""
+    result, out_dir = cpu_run
+    rows, _ = read_rows(out_dir, "pipeline")
+    found = {(r["case"], r["schedule"], r["stages"], r["chunks"], r["simulate_ms"]) for r in rows}
+    assert found == {(case, schedule, stages, 2 if schedule == "interleaved" else 1, ms)
+                     for ms in (2.0, None)
+                     for case, schedule, stages in [("one-process", "afab", 1)] +
+                     [("pipeline", s, 2) for s in SCHEDULES]}, found
+    assert len(rows) == len(found) == 10
+    base = {ms: next(r for r in rows if r["case"] == "one-process" and r["simulate_ms"] == ms)
+            for ms in (2.0, None)}
+    for row in rows:
+        p, v, m = row["stages"], row["chunks"], row["microbatches"]
+        assert (row["model"], row["layers"], m, row["global_batch"]) == ("wine-mlp", 3, 2, 2), row
+        assert row["world_size"] == p and row["processes"] == 2, row
+        assert row["threads_per_rank"] == max(1, CORES // 2), row
+        assert row["bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1)), row
+        assert row["repeats"] == REPEATS and row["samples_per_s"] > 0, row
+        assert row["speedup"] == pytest.approx(
+            row["samples_per_s"] / base[row["simulate_ms"]]["samples_per_s"]), row
+        if row["simulate_ms"] is None:
+            assert row["steps"] == 2, row
+            assert row["bubble"] is row["repeat_bubble"] is row["ideal_speedup"] is None, row
+            continue
+        each = row["repeat_bubble"]
+        assert row["steps"] == 1 and len(each) == REPEATS, row
+        assert row["bubble"] == pytest.approx(statistics.median(each)), row
+        assert (row["bubble_min"], row["bubble_max"]) == (min(each), max(each)), row
+        assert 0 <= row["bubble_min"] <= row["bubble"] <= row["bubble_max"] < 1, row
+        assert row["ideal_speedup"] == pytest.approx(p * (1 - row["bubble_formula"])), row
+    formulas = {(r["schedule"], r["stages"]): r["bubble_formula"] for r in rows}
+    assert formulas == {("afab", 1): 0, ("afab", 2): pytest.approx(1 / 3),
+                        ("gpipe", 2): pytest.approx(1 / 3), ("1f1b", 2): pytest.approx(1 / 3),
+                        ("interleaved", 2): pytest.approx(1 / 5)}
+    interleaved = next(r for r in rows if r["schedule"] == "interleaved" and r["simulate_ms"])
+    assert re.search(rf"\ninterleaved +2x2 +0\.200 +{interleaved['bubble']:.3f} ", result.stdout), \
+        result.stdout
+
+
+def test_pipeline_cases_are_planned_where_the_layers_split():
+    """--pipeline: each schedule at every world size of 2 or more where lesson 10 can run it,
+    in that world size's launch, beside one process (1 rank, the others waiting), simulated
+    and not; the rest listed as skipped with the reason. None by default, so that the default
+    run's time does not grow."""
+    scaling = import_script()
+    args = scaling.parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
+                               ",".join(SCHEDULES), "--knobs", "none"])
+    assert (args.pipeline_layers, args.microbatches, args.simulate_ms) == (7, 8, 10)
+    plan, _, skipped = scaling.plan_cases(args, "cpu", CORES)
+    for launch in (1, 2, 3, 4):
+        cases = [c for c in plan[launch] if c["case"] in ("pipeline", "one-process")]
+        expected = [] if launch in (1, 3) else [
+            (case, schedule, stages, ms) for ms in (10, None)
+            for case, schedule, stages in [("one-process", "afab", 1)] +
+            [("pipeline", s, launch) for s in SCHEDULES]]
+        assert [(c["case"], c["schedule"], c["world_size"], c["simulate_ms"]) for c in cases] \
+            == expected, launch
+        assert all(c["threads_per_rank"] == max(1, CORES // launch) for c in cases)
+    # 8 linear layers do not split into 3 stages, nor into 6 (3 ranks x 2 chunks).
+    assert [line for line in skipped if line.startswith("pipeline")] == [
+        "pipeline afab, gpipe, 1f1b at world size 3: 8 linear layers (--pipeline-layers 7) do "
+        "not split evenly into 3 stages", "pipeline interleaved at world size 3: 8 linear "
+        "layers (--pipeline-layers 7) do not split evenly into 6 stages"]
+    args = scaling.parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
+                               ",".join(SCHEDULES), "--pipeline-layers", "3",
+                               "--microbatches", "2"])
+    plan, _, skipped = scaling.plan_cases(args, "cpu", CORES)
+    assert {c["schedule"] for c in plan[4] if c["case"] == "pipeline"} == {"afab", "gpipe"}
+    assert [line for line in skipped if "at world size 4" in line] == [
+        "pipeline 1f1b at world size 4: 1f1b needs at least one micro-batch per stage "
+        "(--microbatches 2)", "pipeline interleaved at world size 4: 4 linear layers "
+        "(--pipeline-layers 3) do not split evenly into 8 stages"]
+    assert scaling.parse_args(["--device", "cpu"]).pipeline == []
+    one_rank = scaling.parse_args(["--device", "cpu", "--max-world-size", "1", "--pipeline",
+                                   "gpipe"])
+    _, _, skipped = scaling.plan_cases(one_rank, "cpu", CORES)
+    assert any(line.startswith("pipeline (gpipe): one rank holds the whole model")
+               for line in skipped), skipped
+
+
+def test_pipeline_speed_up_is_against_one_process_of_the_same_launch_and_simulation():
+    """Two launches (2 and 4 ranks), each with its one process simulated and not: a row's
+    speed-up divides by its own launch's and simulation's one process, never another's."""
+    scaling = import_script()
+    rows = [{"case": case, "processes": launch, "simulate_ms": ms, "stages": stages,
+             "samples_per_s": rate, "bubble_formula": formula}
+            for launch, ms, one, rate, formula in ((2, 10.0, 10.0, 15.0, 1 / 9),
+                                                   (2, None, 400.0, 200.0, 1 / 9),
+                                                   (4, 10.0, 8.0, 20.0, 3 / 11),
+                                                   (4, None, 300.0, 60.0, 3 / 11))
+            for case, stages, rate, formula in (("one-process", 1, one, 0.0),
+                                                ("pipeline", launch, rate, formula))]
+    rows = scaling.add_pipeline_speedups(rows)
+    assert [r["speedup"] for r in rows] == pytest.approx([1, 1.5, 1, 0.5, 1, 2.5, 1, 0.2])
+    assert [r.get("ideal_speedup") for r in rows] == [
+        1, pytest.approx(16 / 9), None, None, 1, pytest.approx(32 / 11), None, None]
+    # A row's bubble: the median of its repeats', with their spread, and the formula's.
+    case = {"case": "pipeline", "stages": 4, "chunks": 2, "microbatches": 8, "global_batch": 16,
+            "steps": 2, "simulate_ms": 10.0}
+    row = scaling.summarise_pipeline(case, [0.8, 1.6, 0.4], [3, 9, 15], [0.3, 0.2, 0.5], 4)
+    assert (row["bubble"], row["bubble_min"], row["bubble_max"]) == (0.3, 0.2, 0.5)
+    assert row["bubble_formula"] == pytest.approx(3 / 19)
+    assert (row["samples_per_s"], row["samples_per_s_min"], row["samples_per_s_max"]) == \
+        pytest.approx((40, 20, 80))
 
 
 # Two gloo ranks forked from one process that imported the benchmark once: rank 1 never joins
@@ -624,6 +749,11 @@ def test_bad_input_is_one_line_error(tmp_path):
     (["--max-world-size", "0"], "--max-world-size must be at least 1"),
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--warmup", "0"], "--warmup must be at least 1"),
+    (["--pipeline", "2f2b"], "--pipeline: unknown 2f2b"),
+    (["--pipeline", "gpipe", "--microbatches", "3"], "--microbatches 3 does not divide "
+                                                     "--batch-size 16"),
+    (["--simulate-ms", "-1"], "--simulate-ms must be at least 0"),
+    (["--pipeline-layers", "0"], "--pipeline-layers must be at least 1"),
 ])
 def test_bad_arguments_stop_with_one_line(args, fragment):
     """The same check as above for every other flag, in this process: parse_args stops through
