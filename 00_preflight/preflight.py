@@ -160,12 +160,16 @@ def check_group(backend, world_size, timeout):
     """Start world_size processes as lesson 02 does; (True, detail) or (False, reason)."""
     import torch.multiprocessing as mp
 
-    results = mp.get_context("spawn").SimpleQueue()
+    # As lesson 02's start_ranks: forked from a server that has imported torch once, or spawned
+    # where there is no fork (Windows).
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    mp.set_forkserver_preload(["torch", "torch.distributed"])
+    results = mp.get_context(method).SimpleQueue()
     start = time.monotonic()
     # join=False: this process keeps the clock. A process that never reports is killed at the
     # deadline instead of being waited for forever, as plain mp.spawn would.
     context = mp.start_processes(group_worker, args=(world_size, backend, timeout, results),
-                                 nprocs=world_size, join=False, start_method="spawn")
+                                 nprocs=world_size, join=False, start_method=method)
     deadline = start + START_SECONDS + timeout
     reports, died = {}, None
     try:

@@ -69,6 +69,17 @@ def find_free_port():
         return sock.getsockname()[1]
 
 
+def start_ranks(fn, args, nprocs):
+    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
+    scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
+    if "forkserver" not in mp.get_all_start_methods():  # Windows: spawn, as mp.spawn does
+        return mp.spawn(fn, args=args, nprocs=nprocs)
+    # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
+                               "sklearn.model_selection", "sklearn.preprocessing"])
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def setup_process_group(rank, local_rank, world_size, nproc_per_node, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
     if backend == "nccl":
@@ -340,10 +351,10 @@ def launch(args):
     print(f"node {args.node_rank} of {args.nnodes}: starting {args.nproc_per_node} of "
           f"{args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # worker(local_rank, args) in nproc_per_node fresh processes on this node. If one fails,
+    # worker(local_rank, args) in nproc_per_node new processes on this node. If one fails,
     # spawn stops the others here, and the other nodes' ranks lose it and stop within --timeout.
     with spawn_guard("local rank"):
-        mp.spawn(worker, args=(args,), nprocs=args.nproc_per_node)
+        start_ranks(worker, args=(args,), nprocs=args.nproc_per_node)
 
 
 def parse_args(argv=None):

@@ -89,6 +89,17 @@ def find_free_port():
         return sock.getsockname()[1]
 
 
+def start_ranks(fn, args, nprocs):
+    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
+    scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
+    if "forkserver" not in mp.get_all_start_methods():  # Windows: spawn, as mp.spawn does
+        return mp.spawn(fn, args=args, nprocs=nprocs)
+    # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
+                               "sklearn.model_selection", "sklearn.preprocessing"])
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def setup_process_group(rank, local_rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
     if backend == "nccl":
@@ -497,9 +508,9 @@ def launch(args):
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
           f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # Runs worker(rank, args) in world_size fresh Python processes, rank 0 .. world_size - 1.
+    # Runs worker(rank, args) in world_size new processes, rank 0 .. world_size - 1.
     with spawn_guard("rank", then=". Run it again to resume from the last checkpoint"):
-        mp.spawn(worker, args=(args,), nprocs=args.world_size)
+        start_ranks(worker, args=(args,), nprocs=args.world_size)
 
 
 def parse_args(argv=None):

@@ -4,9 +4,10 @@
     python tests/every_grad_sync.py OUT_DIR NAME [flags...] :: cases   # then grad_sync_cases.py
 
 Six lesson runs would pay the ranks' start-up (torch, scikit-learn, the process group) six times.
-Here mp.spawn starts the ranks once and each joins the process group once; then, for every group
-of flags and every mode in lesson.GRAD_SYNC, each rank calls the lesson's own main(), which
-writes into OUT_DIR/NAME/<mode>/ what `train.py --grad-sync <mode>` with those flags writes.
+Here the lesson's start_ranks starts the ranks once and each joins the process group once; then,
+for every group of flags and every mode in lesson.GRAD_SYNC, each rank calls the lesson's own
+main(), which writes into OUT_DIR/NAME/<mode>/ what `train.py --grad-sync <mode>` with those flags
+writes.
 Every group must ask for the same --world-size. Rank 0 prints "== NAME <mode>" before each run.
 A group named "cases", without flags, runs tests/grad_sync_cases.py's models on the same ranks
 (2 of them) instead, into OUT_DIR/cases.json.
@@ -30,7 +31,6 @@ from pathlib import Path
 import grad_sync_cases
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 LESSON_DIR = Path(__file__).resolve().parent.parent / "08_ddp_from_scratch"
 sys.path.insert(0, str(LESSON_DIR))  # where train.py finds guard_rails.py
@@ -106,7 +106,7 @@ def main():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(lesson.find_free_port()))
     with lesson.spawn_guard("rank"):
-        mp.spawn(run_every_mode, args=(groups, out_dir), nprocs=groups[0][1].world_size)
+        lesson.start_ranks(run_every_mode, args=(groups, out_dir), nprocs=groups[0][1].world_size)
 
 
 if __name__ == "__main__":

@@ -10,17 +10,18 @@ OUT_DIR/NAME` writes. The flags are lesson 10's, but for two that this file read
 Two runs may share a NAME: the later one finds the earlier one's checkpoint and resumes it.
 
 Thirty lesson runs would pay the ranks' start-up (Python, torch, scikit-learn) thirty times. Here
-mp.spawn starts the ranks once (4, or as many as the largest run needs), and each run calls its
-lesson's own main() on the ranks it needs. For each run they join a process group of its own, on
-a port of its own, through the lesson's setup_process_group (which also gives each rank its
-share of the cores, from the run's world size), and leave it afterwards, as the lesson's worker()
-does; what the lesson's launch() does before spawn (check_pipeline, the backend) is done here.
+lesson 10's start_ranks starts the ranks once (4, or as many as the largest run needs), and each
+run calls its lesson's own main() on the ranks it needs. For each run they join a process group of
+its own, on a port of its own, through the lesson's setup_process_group (which also gives each rank
+its share of the cores, from the run's world size), and leave it afterwards, as the lesson's
+worker() does; what the lesson's launch() does before spawn (check_pipeline, the backend) is done
+here.
   First the runs of 4 ranks, one after another, on all of them.
   Then, at the same time: the runs of 2 ranks on ranks 0 and 1, one after another, and the runs
   of 1 rank in turn on ranks 2 and 3 (with 2 ranks in all, on ranks 0 and 1).
 So runs that share a NAME run in the order given. Rank 0 of each run prints "== NAME (t s)"
 before it and "== NAME done (t s)" after it, t the seconds since this file started the ranks.
-A run that fails stops every rank (mp.spawn), with its traceback, and this file exits non-zero.
+A run that fails stops every rank (start_ranks), with its traceback, and this file exits non-zero.
 """
 
 import datetime
@@ -31,7 +32,6 @@ import time
 from pathlib import Path
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,7 +149,8 @@ def main():
     ranks = max(args.world_size for *_, args in runs)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=WAIT)
-    mp.spawn(run_everything, args=(runs, ranks, store.port, time.time()), nprocs=ranks)
+    lesson["10"].start_ranks(run_everything, args=(runs, ranks, store.port, time.time()),
+                             nprocs=ranks)
 
 
 if __name__ == "__main__":

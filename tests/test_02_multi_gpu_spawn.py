@@ -4,6 +4,7 @@ The GPU tier (NCCL) is in test_gpu.py."""
 
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers import (
@@ -196,6 +198,24 @@ def test_nccl_without_gpus_is_refused(tmp_path):
     # The GPUs, if any, hidden: what a machine without one sees.
     result = run_lesson(LESSON, "--backend", "nccl", "--out-dir", tmp_path, env=NO_GPUS)
     assert_one_line_error(result, "--backend nccl needs CUDA GPUs", "--backend gloo")
+
+
+@pytest.mark.skipif("forkserver" not in mp.get_all_start_methods(),
+                    reason="no forkserver start method here (Windows): start_ranks spawns")
+def test_the_ranks_are_forked_from_a_server_that_imported_torch_once(tmp_path):
+    # -X importtime logs every module a process imports, and multiprocessing passes the option on
+    # to the processes it starts. With spawn, torch is imported by the launcher and again by each
+    # of the 3 ranks, scikit-learn and torch._dynamo (DDP's) by each rank; forked from the
+    # server, every one of them once more in the server alone, and never in a rank.
+    result = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / LESSON / "train.py"),
+                             *CPU, "--world-size", "3", "--epochs", "1", "--out-dir", tmp_path],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = re.findall(r"^import time:.*\|\s*(torch|sklearn|torch\._dynamo)$", result.stderr,
+                          re.MULTILINE)
+    assert {name: imported.count(name) for name in set(imported)} == {
+        "torch": 2, "sklearn": 1, "torch._dynamo": 1}
+    assert "test accuracy:" in result.stdout
 
 
 def test_a_rank_that_raises_takes_the_job_down_and_is_named(lesson_run):

@@ -56,6 +56,9 @@ def record(torch):
     log = {"pid": os.getpid(), "rank": None, "world_size": None, "steps": [], "eval_rows": [],
            "params": [], "last": None, "grads": None, "layers": set(), "loads": [], "saves": []}
     rows = []  # the wines read since the last step
+    # Ranks forked from a server that imported torch (lesson 02's start_ranks) inherit this
+    # recorder from it: each keeps a record of its own, under its own pid.
+    os.register_at_fork(after_in_child=lambda: log.update(pid=os.getpid()))
 
     def local(tensor):
         tensor = tensor.detach()
