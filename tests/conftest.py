@@ -2,6 +2,7 @@ import hashlib
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from filelock import FileLock
@@ -24,13 +25,21 @@ def lesson_run(tmp_path_factory):
     Several tests look at the same run from different sides; launching it once keeps the suite
     fast on a 2-core machine. The first worker to ask runs it, holding a lock, and writes what
     it printed next to its out_dir; a worker that asks later waits for the lock and reads that.
-    Tests only read a shared run's folder (copy it to change it)."""
+    Tests only read a shared run's folder (copy it to change it).
+
+    The mutation check (tools/mutate.py) makes each mistake in a copy of its own and names the
+    lesson it changed (LESSON_RUNS_MUTATED): the runs of every other lesson are the same in all
+    copies, so they are made once, in the folder it names (LESSON_RUNS_SHARED), for all."""
     root = shared_folder(tmp_path_factory) / "lesson_runs"
     root.mkdir(exist_ok=True)
+    shared = os.environ.get("LESSON_RUNS_SHARED")
 
     def run(lesson, *args, patch=None, env=None):
         key = json.dumps([lesson, list(map(str, args)), patch, sorted((env or {}).items())])
-        folder = root / f"{lesson}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+        runs = root
+        if shared and lesson != os.environ.get("LESSON_RUNS_MUTATED"):
+            runs = Path(shared)
+        folder = runs / f"{lesson}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
         record = folder / "result.json"
         with FileLock(f"{folder}.lock"):
             if not record.exists():

@@ -12,7 +12,8 @@ tests it names run there, with this Python. It is "caught" when pytest ran and o
 failed; "SURVIVED" when they all passed, so the claim has no proof; "stale" when the text to
 replace is not in the file exactly once; "error" when pytest could not run the tests (exit 2 to
 5: the mistake broke the file, or a test name is wrong) or they ran past the time limit. Exit
-status 1 unless all are caught.
+status 1 unless all are caught. A lesson run that the tests make of a lesson the mistake leaves
+alone (tests/conftest.py's lesson_run) is made once, for every mistake that needs it.
 """
 
 import argparse
@@ -49,7 +50,7 @@ def apply(copy, mutant):
     return count
 
 
-def run_tests(copy, tests, timeout):
+def run_tests(copy, tests, timeout, env=None):
     """Run the tests in the copy: (pytest's exit status or None on timeout, its output)."""
     command = [sys.executable, "-m", "pytest", "-n", "0", "-x", "-q", "-p", "no:cacheprovider",
                *tests]
@@ -57,7 +58,8 @@ def run_tests(copy, tests, timeout):
         return None, "not run: the mutation check was stopped"
     # A session of its own, so that on timeout the lesson's ranks are stopped with pytest.
     process = subprocess.Popen(command, cwd=copy, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env={**os.environ, **(env or {})})
     RUNNING.add(process)
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -79,15 +81,19 @@ def stop(process):
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def check(root, mutant, timeout):
-    """(status, detail) of one mistake: caught, SURVIVED, stale or error."""
+def check(root, mutant, timeout, shared_runs=None):
+    """(status, detail) of one mistake: caught, SURVIVED, stale or error. The tests' runs of
+    the lessons it leaves alone go into shared_runs, if given (tests/conftest.py's lesson_run),
+    made once for every mistake."""
     with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.id}-") as folder:
         copy = Path(folder) / "repository"
         copy_repository(Path(root), copy)
         count = apply(copy, mutant)
         if count != 1:
             return "stale", f"its text occurs {count} times in {mutant.file}, not once"
-        status, output = run_tests(copy, mutant.tests, timeout)
+        env = {"LESSON_RUNS_SHARED": str(shared_runs),
+               "LESSON_RUNS_MUTATED": Path(mutant.file).parts[0]} if shared_runs else None
+        status, output = run_tests(copy, mutant.tests, timeout, env)
     failed = re.findall(r"^FAILED (\S+)", output, re.MULTILINE)
     if status == 1 and failed:
         return "caught", f"by {failed[0]}"
@@ -122,12 +128,13 @@ def check_all(root, mutants, timeout, jobs):
     """Check the mistakes, jobs at a time; print each one's line as it ends; count them."""
     def timed(mutant):
         begun = time.monotonic()
-        return (mutant, *check(root, mutant, timeout), time.monotonic() - begun)
+        return (mutant, *check(root, mutant, timeout, shared_runs), time.monotonic() - begun)
 
     # Stopped from outside (a cancelled CI job), end as Ctrl-C does, with every test run.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     counts = {}
-    with ThreadPoolExecutor(jobs) as pool:
+    with tempfile.TemporaryDirectory(prefix="mutants-shared-runs-") as shared_runs, \
+            ThreadPoolExecutor(jobs) as pool:
         try:
             for done in as_completed([pool.submit(timed, m) for m in mutants]):
                 mutant, status, detail, seconds = done.result()
