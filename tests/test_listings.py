@@ -2,9 +2,11 @@
 it must fail what breaks the conventions and pass what keeps them. No lesson runs here."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 from helpers import ROOT
 
@@ -14,6 +16,12 @@ FAKE_LESSON = "import sys\nprint(sys.argv[1] if len(sys.argv) > 1 else 'trained,
 def check(tmp_path, markdown, *args, files=None):
     """Make a git repository in tmp_path/repo with README.md (and files: {name: text}), run the
     check on it and return the finished process."""
+    return subprocess.run(**check_command(tmp_path, markdown, *args, files=files),
+                          capture_output=True, text=True, timeout=60)
+
+
+def check_command(tmp_path, markdown, *args, files=None):
+    """Make the repository (see check) and return the check's command line and environment."""
     repo = tmp_path / "repo"
     repo.mkdir(parents=True)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
@@ -24,9 +32,8 @@ def check(tmp_path, markdown, *args, files=None):
     # `python` in a listing is this interpreter, as it is for a learner in the activated venv.
     env = {**os.environ,
            "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run([sys.executable, str(ROOT / "tools" / "check_listings.py"),
-                           "--root", str(repo), *args, "README.md"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    return {"args": [sys.executable, str(ROOT / "tools" / "check_listings.py"), "--root",
+                     str(repo), *args, "README.md"], "env": env}
 
 
 def lines_of(result, status):
@@ -253,3 +260,213 @@ def test_the_course_files_keep_the_conventions():
                              "--list"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "ERROR" not in result.stdout
+
+
+# Files side by side (--jobs, 2 by default). The files' commands meet in `shared`, a folder
+# outside the copies of the repository that the check runs them in.
+
+def side_by_side(tmp_path, readme, other, *args, files=None):
+    """Run the check on README.md and other.md (in that order on the command line: other.md
+    first), with each file's text given whole."""
+    return check(tmp_path, readme, *args, "other.md", files={"other.md": other, **(files or {})})
+
+
+def command_lines(result, name, status):
+    """The name:N lines of the commands of file name reported with status (ok or FAIL)."""
+    return [line.split()[0] for line in result.stdout.splitlines()
+            if line.startswith(f"{name}:") and f" {status} " in f"{line} "]
+
+
+def assert_whole_blocks(result, names):
+    """Each file's lines come together, from its first `== name:` line to its last: no line
+    of another file among them."""
+    lines = result.stdout.splitlines()
+    for name in names:
+        mine = [i for i, line in enumerate(lines) if line.startswith(f"== {name}:")]
+        for line in lines[mine[0]:mine[-1] + 1]:
+            assert line.startswith((f"{name}:", f"== {name}:", "    ")) or not line, line
+
+
+def test_two_files_run_at_the_same_time(tmp_path):
+    # Each file marks that it has started, then waits up to 3 s for the other's mark: both pass
+    # only if they run together.
+    def meets(shared, mine, theirs):
+        return (f"```bash\ntouch {shared}/{mine}\n"
+                f"for _ in $(seq 60); do test -e {shared}/{theirs} && break; sleep 0.05; done; "
+                f"test -e {shared}/{theirs}\n```\n")
+
+    runs = {}
+    for jobs in ("2", "1"):
+        shared = tmp_path / jobs / "shared"
+        shared.mkdir(parents=True)
+        runs[jobs] = side_by_side(tmp_path / jobs, meets(shared, "README", "other"),
+                                  meets(shared, "other", "README"), "--jobs", jobs)
+    together = runs["2"]
+    assert together.returncode == 0, together.stdout
+    assert command_lines(together, "README.md", "ok") == ["README.md:2", "README.md:3"]
+    assert command_lines(together, "other.md", "ok") == ["other.md:2", "other.md:3"]
+    assert "-- started other.md\n-- started README.md\n" in together.stdout
+    assert_whole_blocks(together, ["README.md", "other.md"])
+    # The control, one at a time in the order given: other.md waits for README.md in vain.
+    alone = runs["1"]
+    assert alone.returncode == 1, alone.stdout
+    assert command_lines(alone, "other.md", "FAIL") == ["other.md:3"]
+    assert command_lines(alone, "README.md", "ok") == ["README.md:2", "README.md:3"]
+    assert "-- started" not in alone.stdout
+
+
+RECORD = """\
+import sys, time
+start = time.time()
+time.sleep(1)
+with open(sys.argv[1], "w") as out:
+    print(start, time.time(), file=out)
+"""
+
+
+def test_files_that_use_the_same_fixed_port_never_run_at_once(tmp_path):
+    # Each file's command records when it ran. The preflight takes 29500 without naming it.
+    pairs = {  # README.md's command, other.md's, and whether they must run apart
+        "named": ("python record.py {}/README --master-port 29599",
+                  "python record.py {}/other --master-port=29599", True),
+        "one named, one not": ("MASTER_PORT=29500 python record.py {}/README",
+                               "python 00_preflight/preflight.py {}/other", True),
+        "two ports": ("python record.py {}/README --master-port 29598",
+                      "python record.py {}/other --master-port 29599", False),
+    }
+    for n, (case, (readme, other, apart)) in enumerate(pairs.items()):
+        shared = tmp_path / str(n) / "shared"
+        shared.mkdir(parents=True)
+        result = side_by_side(tmp_path / str(n), f"```bash\n{readme.format(shared)}\n```\n",
+                              f"```bash\n{other.format(shared)}\n```\n",
+                              files={"record.py": RECORD, "00_preflight/preflight.py": RECORD})
+        assert result.returncode == 0, result.stdout
+        (began, ended), (other_began, other_ended) = (
+            map(float, (shared / name).read_text().split()) for name in ("README", "other"))
+        overlap = began < other_ended and other_began < ended
+        assert overlap != apart, (case, result.stdout)
+    assert "-- started other.md (fixed ports 29599)\n" in result.stdout
+
+
+def test_a_failure_in_one_file_fails_the_check_and_the_other_file_still_runs(tmp_path):
+    result = side_by_side(tmp_path, "```bash\necho before\nfalse\n```\n",
+                          "```bash\nsleep 0.5\necho done\n```\n")
+    assert result.returncode == 1, result.stdout
+    assert command_lines(result, "README.md", "FAIL") == ["README.md:3"]
+    assert "    exit 1\n    $ false\n    (no output)\n" in result.stdout
+    assert command_lines(result, "other.md", "ok") == ["other.md:2", "other.md:3"]
+    assert_whole_blocks(result, ["README.md", "other.md"])
+    rows = {line.split()[0]: line.split()[1:3] for line in result.stdout.splitlines()
+            if line.endswith(" s") and line.split()[0] in ("README.md", "other.md")}
+    assert rows == {"other.md": ["2", "0"], "README.md": ["2", "1"]}  # commands, failed
+    assert "total: " in result.stdout and ", 1 failed" in result.stdout
+
+
+def test_sigterm_stops_every_running_file_and_removes_the_copies(tmp_path):
+    shared, temporary = tmp_path / "shared", tmp_path / "tmp"
+    shared.mkdir()
+    temporary.mkdir()
+
+    def sleeper(name):
+        return f"```bash\nsh -c 'echo $$ > {shared}/{name}.pid; exec sleep 60'\n```\n"
+
+    command = check_command(tmp_path, sleeper("README"), "other.md",
+                            files={"other.md": sleeper("other")})
+    command["env"]["TMPDIR"] = str(temporary)  # where the check makes its copies
+    checking = subprocess.Popen(**command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    pid_files = [shared / "README.pid", shared / "other.pid"]
+    deadline = time.monotonic() + 30
+    while not all(path.exists() and path.read_text().strip() for path in pid_files):
+        assert checking.poll() is None and time.monotonic() < deadline, checking.stdout.read()
+        time.sleep(0.05)
+    assert len(list(temporary.iterdir())) == 2  # both files run, each in its copy
+    checking.send_signal(signal.SIGTERM)
+    output, _ = checking.communicate(timeout=30)
+    assert checking.returncode == 128 + signal.SIGTERM, output
+    for path in pid_files:
+        stat = subprocess.run(["ps", "-o", "stat=", "-p", path.read_text().strip()],
+                              capture_output=True, text=True).stdout.strip()
+        assert not stat or stat.startswith("Z"), f"{path.name}: still running ({stat})"
+    assert list(temporary.iterdir()) == []
+
+
+
+# A block marked `same as`: its commands run in the file it names, not here.
+
+GUIDE = """\
+```bash
+touch made-by-the-guide
+echo "shown twice"                    # a comment of its own
+sh -c 'echo three; exit 3'            # fails: three
+```
+"""
+
+
+def test_same_as_skips_a_block_that_another_file_runs(tmp_path):
+    result = check(tmp_path, """\
+        <!-- listing: same as INSTRUCTORS.md -->
+        ```bash
+        touch made-by-the-guide
+        echo "shown twice"
+        ```
+
+        ```bash
+        test ! -e made-by-the-guide
+        ```
+        """, "INSTRUCTORS.md", files={"INSTRUCTORS.md": GUIDE})
+    assert result.returncode == 0, result.stdout
+    assert "README.md:3  same as INSTRUCTORS.md:2" in result.stdout
+    assert "README.md:4  same as INSTRUCTORS.md:3" in result.stdout
+    # Not run in README.md's copy (it made no file there), and ok as their matches were.
+    assert sorted(lines_of(result, "ok")) == ["README.md:3", "README.md:4", "README.md:8"]
+    assert "ok    as INSTRUCTORS.md:2" in result.stdout
+
+    # Checked alone, README.md cannot tell: its marked commands are reported not checked.
+    alone = check(tmp_path / "alone", """\
+        <!-- listing: same as INSTRUCTORS.md -->
+        ```bash
+        echo "shown twice"
+        ```
+        """, files={"INSTRUCTORS.md": GUIDE})
+    assert alone.returncode == 0, alone.stdout
+    assert "not checked (this run does not check INSTRUCTORS.md)" in alone.stdout
+
+
+def test_same_as_fails_with_the_command_it_names(tmp_path):
+    # The guide's command does not print what its comment says: it fails, and so does its copy.
+    result = check(tmp_path, """\
+        <!-- listing: same as INSTRUCTORS.md -->
+        ```bash
+        sh -c 'echo three; exit 3'   # fails: four
+        ```
+        """, "INSTRUCTORS.md", files={"INSTRUCTORS.md": GUIDE.replace("three\n", "four\n")})
+    assert result.returncode == 1
+    assert "the output lacks 'four'" in result.stdout
+    assert lines_of(result, "FAIL") == ["README.md:3"]
+    assert "FAIL  as INSTRUCTORS.md:4" in result.stdout
+
+
+def test_same_as_needs_the_very_command_in_a_file_the_check_runs(tmp_path):
+    for n, (block, error) in enumerate([
+            ('echo "shown  twice"', '`echo "shown  twice"` is not a command of INSTRUCTORS.md; '
+             "run it here or name the file that runs it"),
+            ("sh -c 'echo three; exit 3'   # fails: 3", "is not a command of INSTRUCTORS.md"),
+            ("touch made-by-the-guide &", "is not a command of INSTRUCTORS.md")]):
+        result = check(tmp_path / str(n), f"""\
+            <!-- listing: same as INSTRUCTORS.md -->
+            ```bash
+            {block}
+            ```
+            """, "--list", files={"INSTRUCTORS.md": GUIDE})
+        assert result.returncode == 1, result.stdout
+        assert "README.md:3  ERROR  " in result.stdout and error in result.stdout, result.stdout
+    result = check(tmp_path / "unchecked", """\
+        <!-- listing: same as notes.md -->
+        ```bash
+        touch made-by-the-guide
+        ```
+        """, "--list", files={"notes.md": GUIDE})
+    assert result.returncode == 1
+    assert "README.md:1  ERROR  same as notes.md: not one of the files this check runs" \
+        in result.stdout

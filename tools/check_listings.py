@@ -1,7 +1,8 @@
 """Run every command the course prints, in order, as a learner types them, and check each one.
 
-    python tools/check_listings.py                               # every file below
+    python tools/check_listings.py                               # every file below, 2 at a time
     python tools/check_listings.py 02_multi_gpu_spawn/README.md  # one file
+    python tools/check_listings.py --jobs 1                      # one file after another
     python tools/check_listings.py --list                        # what would run; runs nothing
 
 The files, by default: the root README.md, every numbered lesson's README.md (00_preflight on),
@@ -32,6 +33,18 @@ follows, which this check enforces:
       <!-- listing: not run (needs 2 GPUs) -->
 
   A marker without a reason, or one not right before a ```bash fence, is an error.
+- A block whose commands another file of this check also shows and runs (INSTRUCTORS.md
+  repeating a lesson's command) names that file, or several, in the line right before its
+  opening fence; its commands are not run here:
+
+      <!-- listing: same as exercises/02_ddp_with_spawn.md, exercises/README.md -->
+
+  Each command must be one of the named files' commands that run, with the same script (what
+  bash runs: comments dropped, continuations joined, here-documents included), alike in the
+  background or not, and with the same `# fails:` text; if not, it is an error. After every
+  file has run, each is reported ok or FAIL as its match in the named file was, or "not
+  checked" when this run did not check that file (CI checks every file). A later command
+  must not need what a skipped one did (a file written, a `cd`, an `export`): mark it too.
 - A command is a line; a line ending in a backslash goes on to the next, a here-document
   (`python - <<'PY'` ... `PY`) belongs to the command that opens it, and so do the lines of an
   unfinished `if`, `for` or quote. A line that is only a comment is not run.
@@ -58,12 +71,23 @@ CUDA_VISIBLE_DEVICES="" (torch finds no GPU) and PYTHONUNBUFFERED=1, and none of
 launcher or Slurm sets (RANK, WORLD_SIZE, MASTER_ADDR, SLURM_*, ...), as in a fresh terminal.
 `python` is the one on PATH when the check starts: activate the virtual environment first.
 
-It prints one line per command (file:line, seconds, ok or FAIL), and for a failure the command
-and the end of its output; then a line per file and the total time. It exits 1 if a command
-failed or a file breaks the conventions. Needs bash, git and ps (Linux or macOS).
+Two files run at a time (--jobs 2; --jobs 1 runs them one after another, in the order given):
+the longest first (TYPICAL_SECONDS below), and never two at once that use the same fixed TCP
+port, one that a command names (--master-port, MASTER_PORT=, --rdzv-endpoint) or takes without
+naming it (lesson 03's 29500 with several nodes, torchrun's without --standalone, the
+preflight's look at 29500). Each file has its own copy: the two share only the machine and what
+lies outside the copies (TMPDIR, caches).
+
+It prints, for each file, its first line, one line per command (file:line, seconds, ok or
+FAIL), for a failure the command and the end of its output, and the file's last line: as they
+come with --jobs 1; else all together when the file is done, after a `-- started` line when it
+starts, so that two files' lines never mix. Then a line per file and the total time. It exits 1
+if a command failed or a file breaks the conventions. Stopped (Ctrl-C, SIGTERM), it ends every
+running file's commands and removes the copies. Needs bash, git and ps (Linux or macOS).
 """
 
 import argparse
+import math
 import os
 import re
 import shlex
@@ -72,7 +96,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
@@ -83,6 +109,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OPEN_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^\s`]*)")
 MARKER = re.compile(r"<!--\s*listing\b")
 NOT_RUN = re.compile(r"^\s*<!--\s*listing:\s*not run\s*\((.*)\)\s*-->\s*$")
+SAME_AS = re.compile(r"^\s*<!--\s*listing:\s*same as\s+(.*?)\s*-->\s*$")
 OUTPUT_MARKER = re.compile(r"<!--\s*output\b")
 OUTPUT = re.compile(r"^\s*<!--\s*output(?:\s+of\s+`([^`]+)`)?:\s*"
                     r"(?:(exact lines)|illustrative\s*\((.*)\))\s*-->\s*$")
@@ -133,6 +160,7 @@ class Listing:
     path: str
     commands: list = field(default_factory=list)
     not_run: list = field(default_factory=list)  # (line, reason) of each marked block
+    same_as: list = field(default_factory=list)  # (command, its match in another file), not run
     errors: list = field(default_factory=list)  # (line, message): the conventions broken
 
 
@@ -245,13 +273,15 @@ def split_commands(path, lines, first, listing):
             "\n".join(code for _, code, _ in logical).strip(), comment, background))
 
 
-def parse(path, text):
-    """The Listing of one markdown file: its commands to run, its marked blocks, its errors."""
+def parse(path, text, root=ROOT, resolve=True):
+    """The Listing of one markdown file: its commands to run, its marked blocks, its errors.
+    root holds the files that `same as` markers name; resolve=False leaves those blocks out."""
     listing = Listing(path)
     lines = text.splitlines()
     marked = set()  # the line numbers of fences right after a marker, good or not
     outputs = {}  # the line number of a fence right after an output marker: that marker
     last_block = []  # the commands of the latest ```bash block that runs
+    same_as = {}  # the line number of a fence right after a same-as marker: the files it names
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -263,9 +293,16 @@ def parse(path, text):
         if line.lstrip().startswith("<!--") and MARKER.search(line):
             marker = NOT_RUN.match(line)
             following = OPEN_FENCE.match(lines[i + 1]) if i + 1 < len(lines) else None
-            if not marker:
+            same = SAME_AS.match(line)
+            if same and following and following.group(3) == "bash":
+                same_as[i + 2] = [name.strip() for name in same.group(1).split(",")]
+            elif same:
+                listing.errors.append((i + 1, "a same-as marker is the line right before a "
+                                       "```bash fence"))
+            elif not marker:
                 listing.errors.append((i + 1, "a listing marker reads "
-                                       "`<!-- listing: not run (the reason) -->`, with a reason"))
+                                       "`<!-- listing: not run (the reason) -->` or "
+                                       "`<!-- listing: same as FILE -->`"))
             elif not marker.group(1).strip():
                 listing.errors.append((i + 1, "a not-run marker names its reason in the "
                                        "parentheses"))
@@ -290,6 +327,10 @@ def parse(path, text):
         i += 1
         if language in ("text", "console"):
             expect_output(listing, start - 1, body, outputs.pop(start - 1, None), last_block)
+        if language == "bash" and start - 1 in same_as:
+            last_block = []  # its commands run elsewhere: no output shown here is theirs
+            if resolve:
+                match_elsewhere(listing, body, start, same_as[start - 1], root)
         if language == "bash" and start - 1 not in marked:
             before = len(listing.commands)
             split_commands(path, body, start, listing)
@@ -305,6 +346,37 @@ def parse(path, text):
         listing.errors.append((line - 1, "an output marker is the line right before a ```text "
                                "fence"))
     return listing
+
+
+def match_elsewhere(listing, body, first, names, root):
+    """Give each command of a block marked `same as names` its match among the commands those
+    files run (see the docstring), or an error."""
+    block = Listing(listing.path)
+    split_commands(listing.path, body, first, block)
+    listing.errors.extend(block.errors)
+    runs = default_files(root)
+    originals = []
+    for name in names:
+        if name not in runs:
+            listing.errors.append((first - 2, f"same as {name}: not one of the files this check "
+                                   "runs"))
+        else:
+            originals += parse(name, (root / name).read_text(), root, resolve=False).commands
+    for command in block.commands:
+        match = next((o for o in originals if same_command(o, command)), None)
+        if match:
+            listing.same_as.append((command, match))
+        elif all(name in runs for name in names):
+            listing.errors.append((command.line, f"`{command.shown.strip()}` is not a command "
+                                   f"of {', '.join(names)}; run it here or name the file that "
+                                   "runs it"))
+
+
+def same_command(a, b):
+    """Whether a and b run the same script and expect the same (see the docstring)."""
+    def fails(command):
+        return command.comment if command.comment.startswith("fails:") else ""
+    return (a.script, a.background, fails(a)) == (b.script, b.background, fails(b))
 
 
 def expect_output(listing, fence, body, marker, last_block):
@@ -592,15 +664,174 @@ def one_line(text, width=70):
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def report(result, failed):
-    """Print one command's line, and for a failure what failed and the end of its output."""
-    print(f"{result.command.where:<36} {result.seconds:6.1f} s  {'ok  ' if result.ok else 'FAIL'}"
-          f"  {one_line(result.command.shown)}", flush=True)
+def report(result, failed, checked=None, say=print):
+    """Say (print) one command's line, and for a failure what failed and the end of its output.
+    checked, if given, keeps every result by its command's file:line."""
+    if checked is not None:
+        checked[result.command.where] = result
+    say(f"{result.command.where:<36} {result.seconds:6.1f} s  {'ok  ' if result.ok else 'FAIL'}"
+        f"  {one_line(result.command.shown)}")
     if not result.ok:
         failed.append(result)
-        print(f"    {result.problem}\n    $ {result.command.shown.strip()}")
+        say(f"    {result.problem}\n    $ {result.command.shown.strip()}")
         tail = result.output.splitlines()[-OUTPUT_TAIL:]
-        print(indent("\n".join(tail), "    | ") if tail else "    (no output)", flush=True)
+        say(indent("\n".join(tail), "    | ") if tail else "    (no output)")
+
+
+def report_same_as(same_as, checked, files):
+    """After every file ran: print each command marked `same as` with the verdict of its match
+    (see the docstring), and return how many failed."""
+    if not same_as:
+        return 0
+    print(f"== the commands marked the same as another file's: {len(same_as)}", flush=True)
+    failed = 0
+    for command, original in same_as:
+        result = checked.get(original.where)
+        if original.path not in files:
+            verdict = f"not checked (this run does not check {original.path})"
+        elif result and result.ok:
+            verdict = f"ok    as {original.where}"
+        else:
+            failed += 1
+            verdict = f"FAIL  as {original.where}" + ("" if result else ", which did not run")
+        print(f"{command.where:<36} {verdict}  {one_line(command.shown)}", flush=True)
+    print()
+    return failed
+
+
+# How long each file takes, in seconds, roughly (CI on the 2-core machine): for the order only,
+# the longest first, so that the last files to start are short ones and two run together to the
+# end. A file missing here counts as the longest and starts first. To refresh the numbers, copy
+# the time column of the table the check prints at its end.
+TYPICAL_SECONDS = {
+    "INSTRUCTORS.md": 500, "README.md": 300, "09_tensor_parallel/README.md": 250,
+    "03_multi_node/README.md": 200, "07_sharding/README.md": 200,
+    "08_ddp_from_scratch/README.md": 200, "10_pipeline_parallel/README.md": 160,
+    "04_checkpointing/README.md": 150, "06_ddp_in_practice/README.md": 150,
+    "02_multi_gpu_spawn/README.md": 100, "05_model_parallel_ddp/README.md": 80,
+    "00_preflight/README.md": 60, "01_single_gpu/README.md": 60,
+    "exercises/02_ddp_with_spawn.md": 60, "exercises/03_global_ranks.md": 60,
+    "exercises/04_snapshot_resume.md": 60, "exercises/07_fsdp2.md": 45,
+    "exercises/08_average_by_hand.md": 45, "exercises/README.md": 30,
+}
+# A fixed TCP port that a command names: --master-port 29513, MASTER_PORT=29513,
+# --rdzv-endpoint 127.0.0.1:29400.
+NAMED_PORT = re.compile(r"(?:--master[-_]port[= ]+|\bMASTER_PORT=|--rdzv[-_]endpoint[= ]+\S*:)"
+                        r"(\d+)\b")
+# The commands that take a fixed port without naming it, and the port.
+UNNAMED_PORTS = [
+    # lesson 03 with several nodes and no --master-port: rank 0 listens on 29500
+    (re.compile(r"03_multi_node/train\.py\b(?!.*--master[-_]port).*--nnodes[= ]+(?!1\b)\d"),
+     29500),
+    # torchrun, unless --standalone (a free port) or the command names where to meet: 29500
+    (re.compile(r"(?:\btorchrun|torch\.distributed\.run)\b"
+                r"(?!.*(?:--standalone|--master[-_]port|--rdzv[-_]endpoint))"), 29500),
+    # an --rdzv-endpoint without a port: the c10d rendezvous's default, 29400
+    (re.compile(r"--rdzv[-_]endpoint[= ]+[^\s:]+(?!\S)"), 29400),
+    # the preflight binds 29500 for a moment, to see whether lesson 03 could use it
+    (re.compile(r"00_preflight/preflight\.py\b"), 29500),
+]
+PRINTING = threading.Lock()  # held while a file's lines are printed, so that no others cut in
+
+
+def fixed_ports(listing):
+    """The fixed TCP ports a file's commands listen on or connect to. Two files that share one
+    never run at once: the second would find the port taken, or meet the first's rank 0."""
+    ports = set()
+    for command in listing.commands:
+        for line in command.script.splitlines():
+            ports.update(int(port) for port in NAMED_PORT.findall(line))
+            ports.update(port for pattern, port in UNNAMED_PORTS if pattern.search(line))
+    return ports
+
+
+def announce(listing, say):
+    """Say a file's first lines: how many commands, the conventions it breaks, what is not run."""
+    say(f"== {listing.path}: {len(listing.commands)} commands, {len(listing.not_run)} blocks "
+        f"marked not run")
+    for line, message in listing.errors:
+        say(f"{listing.path}:{line}  ERROR  {message}")
+    for line, reason in listing.not_run:
+        say(f"{listing.path}:{line}  not run ({reason})")
+    for command, original in listing.same_as:
+        say(f"{command.where}  same as {original.where}  {one_line(command.shown)}")
+
+
+def check_file(root, listing, timeout, checked, live):
+    """Run one file's commands and print its lines: live, each as it comes; else all of them
+    when the file is done, so that the lines of two files running at once never mix. Returns
+    the file's failures (its commands' and the conventions it breaks) and its seconds."""
+    lines = []
+    say = partial(print, flush=True) if live else lines.append
+    announce(listing, say)
+    began, failed = time.monotonic(), []
+    returncode, shell_output, results = run_listing(
+        root, listing, timeout, partial(report, failed=failed, checked=checked, say=say))
+    never_ran = len(listing.commands) - len(results)
+    if never_ran:
+        say(f"{listing.path}: the shell ended (status {returncode}) after {len(results)} of "
+            f"{len(listing.commands)} commands; the other {never_ran} did not run, and fail")
+        if shell_output.strip():
+            say(indent(shell_output.strip(), "    | "))
+    seconds = time.monotonic() - began
+    say(f"== {listing.path}: {len(listing.commands)} commands, {len(failed) + never_ran} "
+        f"failed, {len(listing.errors)} errors, {duration(seconds)}\n")
+    with PRINTING:
+        for line in lines:
+            print(line, flush=True)
+    return len(failed) + never_ran + len(listing.errors), seconds
+
+
+def run_files(root, listings, timeout, jobs, checked):
+    """Run the files (check_file), jobs at a time: the longest first (TYPICAL_SECONDS), and never
+    two at once that share a fixed port (fixed_ports). Returns each file's (failures, seconds),
+    in the order given. Stopped (SIGTERM, Ctrl-C), it ends every running file's shell and lets
+    the exception go on once each has removed its copy."""
+    waiting = list(range(len(listings)))  # the files by their number in listings
+    if jobs > 1:
+        waiting.sort(key=lambda n: TYPICAL_SECONDS.get(listings[n].path, math.inf), reverse=True)
+    ports = [fixed_ports(listing) for listing in listings]
+    outcomes, running = [None] * len(listings), {}  # running: each file's future -> its number
+    with ThreadPoolExecutor(jobs) as pool:
+        try:
+            while waiting or running:
+                taken = set().union(*(ports[n] for n in running.values()))
+                free = [n for n in waiting if not ports[n] & taken]
+                if free and len(running) < jobs:
+                    n = free[0]
+                    waiting.remove(n)
+                    if jobs > 1:
+                        with PRINTING:
+                            print(f"-- started {listings[n].path}" + (
+                                f" (fixed ports {', '.join(map(str, sorted(ports[n])))})"
+                                if ports[n] else ""), flush=True)
+                    running[pool.submit(check_file, root, listings[n], timeout, checked,
+                                        jobs == 1)] = n
+                    continue
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    outcomes[running.pop(future)] = future.result()
+        finally:
+            # Stopped (or a file's run raised): a thread cannot be interrupted, so end each
+            # running file's shell, whose end ends its run_listing (which then removes its
+            # copy), and wait for every thread; a shell started meanwhile is ended next round.
+            while running:
+                stop_shells()
+                done, _ = wait(running, timeout=POLL)
+                for future in done:
+                    del running[future]
+    return outcomes
+
+
+def stop_shells():
+    """Kill every file's shell and all that its commands started: each shell is a child of this
+    process that leads a process group of its own (run_listing starts it in a new session)."""
+    for pid in process_tree().get(os.getpid(), []):
+        try:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it ended meanwhile
 
 
 def main(argv=None):
@@ -615,9 +846,15 @@ def main(argv=None):
     parser.add_argument("--list", action="store_true",
                         help="print the commands that would run, and the blocks marked not run; "
                         "run nothing")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="how many files run at a time (default: 2): the longest first, and "
+                        "never two that use the same fixed port; 1 runs them one after another, "
+                        "in order")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     # Stopped from outside (a cancelled CI job), end the way Ctrl-C does: the finally blocks
-    # stop the shell's processes and remove the copy, rather than leave them running.
+    # stop the shells' processes and remove the copies, rather than leave them running.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     root = args.root.resolve()
     files = args.files or default_files(root)
@@ -626,43 +863,24 @@ def main(argv=None):
         parser.error(f"no such file under {root}: {', '.join(missing)}")
 
     began = time.monotonic()
-    failures, totals = 0, []
-    for name in files:
-        listing = parse(name, (root / name).read_text())
-        print(f"== {name}: {len(listing.commands)} commands, {len(listing.not_run)} blocks "
-              f"marked not run", flush=True)
-        for line, message in listing.errors:
-            print(f"{name}:{line}  ERROR  {message}", flush=True)
-        failures += len(listing.errors)
-        for line, reason in listing.not_run:
-            print(f"{name}:{line}  not run ({reason})", flush=True)
-        if args.list:
+    listings = [parse(name, (root / name).read_text(), root) for name in files]
+    same_as = [pair for listing in listings for pair in listing.same_as]
+    if args.list:
+        for listing in listings:
+            announce(listing, partial(print, flush=True))
             for command in listing.commands:
                 print(f"{command.where}  {'[background] ' * command.background}"
                       f"{one_line(command.shown, 200)}")
-            continue
-        file_began = time.monotonic()
-        failed = []
-        returncode, shell_output, results = run_listing(root, listing, args.timeout,
-                                                    partial(report, failed=failed))
-        never_ran = len(listing.commands) - len(results)
-        if never_ran:
-            print(f"{name}: the shell ended (status {returncode}) after {len(results)} of "
-                  f"{len(listing.commands)} commands; the other {never_ran} did not run, "
-                  f"and fail")
-            if shell_output.strip():
-                print(indent(shell_output.strip(), "    | "))
-        seconds = time.monotonic() - file_began
-        failures += len(failed) + never_ran
-        totals.append((name, len(listing.commands),
-                       len(failed) + never_ran + len(listing.errors), seconds))
-        print(f"== {name}: {len(listing.commands)} commands, {len(failed) + never_ran} failed, "
-              f"{len(listing.errors)} errors, {duration(seconds)}\n", flush=True)
-
-    if not args.list:
+        failures = sum(len(listing.errors) for listing in listings)
+    else:
+        checked = {}  # every command's result, by its file:line
+        outcomes = run_files(root, listings, args.timeout, args.jobs, checked)
+        failures = sum(failed for failed, _ in outcomes)
+        failures += report_same_as(same_as, checked, files)
         print("file                                    commands  failed     time")
-        for name, count, failed, seconds in totals:
-            print(f"{name:<40} {count:>8} {failed:>7} {duration(seconds):>12}")
+        for listing, (failed, seconds) in zip(listings, outcomes, strict=True):
+            print(f"{listing.path:<40} {len(listing.commands):>8} {failed:>7} "
+                  f"{duration(seconds):>12}")
     print(f"total: {duration(time.monotonic() - began)}, "
           f"{'no failures' if not failures else f'{failures} failed'}")
     return 1 if failures else 0
