@@ -1,22 +1,26 @@
 """The companion notebooks: stored without outputs, and each executed top to bottom on the CPU.
 
-They are executed with nbclient, the library behind `jupyter nbconvert --execute`, called
-directly: it is already in requirements.txt, it is a plain library call with no pytest plugin
-in between, and each notebook is one parametrized test with its own timeout whose failure names
-the cell and shows its traceback. (nbmake would add a plugin and a requirement; nbval is made
-to compare stored outputs, which these notebooks do not keep.)
+They are executed by the very commands README.md shows a learner for executed copies (`jupyter
+nbconvert --execute`, three notebooks a line): the listings check leaves that block to this
+file (its marker says so), which runs each line as it stands with bash, one test a line, in a
+copy of the repository, with this interpreter's jupyter and a kernel that runs this interpreter.
+So each notebook runs once in CI and the README's commands are proven. Each test then reads the
+executed copies in runs/notebooks/executed and checks what each notebook printed and drew; a
+notebook that fails is named with the cell and its traceback, from nbconvert's output. (nbmake
+would add a plugin and a requirement; nbval is made to compare stored outputs, which these
+notebooks do not keep.)
 
 They are stored without outputs, so that diffs stay readable and no stale number or figure can
 disagree with the code: nbstripout, with the arguments of its hook in .pre-commit-config.yaml,
-strips them after a run (`pre-commit run --all-files`), and a test fails until it has. For
-executed copies (they land in runs/, which git ignores):
-
-    jupyter nbconvert --to notebook --execute --output-dir runs/notebooks/executed notebooks/*.ipynb
+strips them after a run (`pre-commit run --all-files`), and a test fails until it has.
 """
 
 import ast
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -30,6 +34,34 @@ from helpers import ROOT
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 LESSONS = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
+
+# README.md's block of commands that execute the notebooks, right after this marker: the
+# listings check does not run it, the tests below do, line by line.
+README_MARKER = ("<!-- listing: not run (tests/test_notebooks.py runs these lines as they "
+                 "stand) -->")
+EXECUTED = "runs/notebooks/executed"
+README_LINE = re.compile(r"jupyter nbconvert --to notebook --execute --output-dir "
+                         rf"{EXECUTED} (notebooks/\S+\.ipynb) *(?:#.*)?")
+RUN_TIMEOUT = 840  # seconds one line's notebooks may take, within the test's timeout below
+COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # the terminal colours of IPython's tracebacks
+
+
+def readme_lines():
+    """The lines of README.md's ```bash block right after README_MARKER; [] if it has none."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    if README_MARKER not in lines:
+        return []
+    start = lines.index(README_MARKER) + 2  # the marker, then the ```bash fence
+    return lines[start:lines.index("```", start)]
+
+
+def notebooks_of(line):
+    """The notebooks a README line executes: its pattern, globbed as bash does."""
+    match = README_LINE.fullmatch(line)
+    return sorted(ROOT.glob(match.group(1))) if match else []
+
+
+README_LINES = readme_lines()
 
 # Besides running without an error and drawing a figure, what each notebook must have printed:
 # the lesson's own result, from the script it ran or from the demo it is about.
@@ -208,17 +240,82 @@ def test_setup_finds_the_repository_from_anywhere_inside_it(jupyter_path, tmp_pa
     assert "start Jupyter inside the repository" in printed[2]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_top_to_bottom(path, jupyter_path, tmp_path, monkeypatch):
-    # From notebooks/, where `jupyter lab notebooks/` starts a kernel.
-    notebook = execute(read(path), NOTEBOOK_DIR, jupyter_path, tmp_path, monkeypatch)
-    everything = outputs(notebook)
-    figures = [o for o in everything if "image/png" in o.get("data", {})]
-    assert figures, f"{path.name} drew no figure"
-    printed = "".join(o.text for o in everything if o.output_type == "stream")
-    # It ran its lesson's script as a separate process, and that printed its results.
-    for fragment in [f"$ python {path.stem}/train.py", *EXPECTED_TEXT[path.stem]]:
-        assert fragment in printed, f"{path.name} did not print {fragment!r}"
+def test_readmes_lines_execute_every_notebook_once():
+    assert README_LINES, f"README.md has no ```bash block right after {README_MARKER}"
+    for line in README_LINES:
+        assert README_LINE.fullmatch(line), (
+            f"README.md: {line!r} is not `jupyter nbconvert --to notebook --execute "
+            f"--output-dir {EXECUTED} notebooks/...`, the line the tests below check")
+    executed = [path for line in README_LINES for path in notebooks_of(line)]
+    assert sorted(executed) == NOTEBOOKS, (
+        "README.md's lines must execute every notebook exactly once; they execute "
+        f"{[path.name for path in executed]}")
+
+
+def copy_repository(destination):
+    """The repository as a clone has it (git's files, and the untracked ones it does not ignore),
+    without runs/: the notebooks write their runs and executed copies there."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+                            check=True)
+    for name in set(listed.stdout.split("\0")) - {""}:
+        if not name.startswith("runs/") and (ROOT / name).is_file():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, destination / name)
+
+
+def failed_cell(output):
+    """From nbconvert's output: the cell that failed and its traceback, else its last lines."""
+    output = COLOUR.sub("", output)
+    start = output.rfind("An error occurred while executing the following cell:")
+    return output[start:] if start >= 0 else "\n".join(output.splitlines()[-80:])
+
+
+def run_line(line, cwd, env):
+    """Run one line with bash in cwd; on RUN_TIMEOUT, stop it and everything it started."""
+    with subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as process:
+        try:
+            output, _ = process.communicate(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)  # the kernel ends with nbconvert, its parent
+            output, _ = process.communicate()
+            return None, output
+        return process.returncode, output
+
+
+@pytest.mark.timeout(RUN_TIMEOUT + 60)
+@pytest.mark.parametrize("line", README_LINES, ids=lambda line: "+".join(
+    path.stem for path in notebooks_of(line)) or line)
+def test_readmes_line_executes_its_notebooks(line, jupyter_path, tmp_path):
+    # As a learner runs it: from the root of the repository, jupyter from the virtual
+    # environment, each notebook's kernel started in notebooks/, its runs in runs/notebooks/.
+    copy = tmp_path / "repository"
+    copy_repository(copy)
+    env = {**os.environ,
+           "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+           "JUPYTER_PATH": os.pathsep.join(filter(None, [str(jupyter_path),
+                                                         os.environ.get("JUPYTER_PATH")]))}
+    env.pop("DDP_NOTEBOOK_RUNS", None)
+    returncode, output = run_line(line, copy, env)
+    if returncode != 0:
+        converting = re.findall(r"Converting notebook (\S+)", output)
+        failed = converting[-1] if converting else "no notebook"
+        what = (f"still running after {RUN_TIMEOUT} s, stopped" if returncode is None
+                else f"exit {returncode}")
+        pytest.fail(f"{failed} failed ({what}) in README.md's line\n    {line}\n"
+                    f"{failed_cell(output)}")
+    for path in notebooks_of(line):
+        executed = copy / EXECUTED / path.name
+        assert executed.is_file(), f"{line!r} wrote no {EXECUTED}/{path.name}"
+        everything = outputs(read(executed))
+        figures = [o for o in everything if "image/png" in o.get("data", {})]
+        assert figures, f"{path.name} drew no figure"
+        printed = "".join(o.text for o in everything if o.output_type == "stream")
+        # It ran its lesson's script as a separate process, and that printed its results.
+        for fragment in [f"$ python {path.stem}/train.py", *EXPECTED_TEXT[path.stem]]:
+            assert fragment in printed, f"{path.name} did not print {fragment!r}"
 
 
 def rank_runs(notebook):
