@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import warnings
 
@@ -264,6 +265,13 @@ def spawn_guard(what, then=""):
     # spawn logs "Terminating process N via signal SIGTERM" for each rank it stops after one
     # failed (torch/multiprocessing/spawn.py); the line below says so once.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    # start_ranks' fork server listens on a Unix socket, $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX,
+    # and such a path holds at most 103 bytes on macOS (107 on Linux): under a longer TMPDIR,
+    # Python fails with "AF_UNIX path too long" until python/cpython#132124's fix, which puts
+    # the socket under /tmp instead; so does this launcher (tools/repro_forkserver_tmpdir.py).
+    if len(tempfile.gettempdir()) + len("/pymp-XXXXXXXX/listener-XXXXXXXX") > 103 and \
+            os.path.isdir("/tmp"):
+        tempfile.tempdir = "/tmp"
     try:
         yield
     except mp.ProcessRaisedException as error:

@@ -218,6 +218,17 @@ def test_the_ranks_are_forked_from_a_server_that_imported_torch_once(tmp_path):
     assert "test accuracy:" in result.stdout
 
 
+def test_a_long_tmpdir_still_starts_the_ranks(tmp_path):
+    # The fork server's socket lives under $TMPDIR; a path over 107 bytes cannot be a socket's
+    # (tools/repro_forkserver_tmpdir.py), so spawn_guard puts it under /tmp.
+    long_tmpdir = tmp_path / ("x" * (90 - len(str(tmp_path)) - 1))
+    long_tmpdir.mkdir()
+    result = run_lesson(LESSON, *CPU, "--world-size", 2, "--epochs", 1, "--out-dir",
+                        tmp_path / "out", env={**os.environ, "TMPDIR": str(long_tmpdir)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "test accuracy:" in result.stdout
+
+
 def test_a_rank_that_raises_takes_the_job_down_and_is_named(lesson_run):
     # Rank 1 raises while rank 0 waits for it in the gradient all-reduce. The job must end
     # (no hang: the run's timeout would fail this test) and say which rank failed and why.
