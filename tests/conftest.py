@@ -57,3 +57,20 @@ def lesson_run(tmp_path_factory):
         return result, folder / "out"
 
     return run
+
+
+# The longest test files first (seconds each took in one worker of a CI run): pytest-xdist's
+# --dist loadfile gives each worker whole files in this order, so the last to start are short
+# and both workers end together. A file not named here comes after these, in pytest's order.
+LONGEST_FIRST = ["test_notebooks.py", "test_04_checkpointing.py", "test_07_sharding.py",
+                 "test_03_multi_node.py", "test_benchmarks.py", "test_10_pipeline_parallel.py",
+                 "test_08_ddp_from_scratch.py", "test_06_ddp_in_practice.py",
+                 "test_09_tensor_parallel.py", "test_02_multi_gpu_spawn.py"]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a file, and among the rest, pytest's order stays

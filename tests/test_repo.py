@@ -133,8 +133,8 @@ def test_each_lesson_reads_in_one_sitting(lesson):
 
 
 def test_ci_stops_at_once_on_a_disk_too_small_and_leaves_nothing(tmp_path):
-    # CI's first step: with less space than its virtual environments need, one line names the
-    # folder and the fix before apt-get or pip start, and the folder CI made is removed again.
+    # CI's first step: with less space than its runs need, one line names the folder and the
+    # fix before apt-get or pip start, and the folder CI made is removed again.
     small = tmp_path / "small"
     with small_disk(small):
         result = subprocess.run(["bash", str(ROOT / ".ci" / "run")], capture_output=True,
@@ -142,7 +142,7 @@ def test_ci_stops_at_once_on_a_disk_too_small_and_leaves_nothing(tmp_path):
         left = list(small.iterdir())
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stdout == ""
-    assert f"free for its virtual environments in {small}, which has 0 GiB" in result.stderr
+    assert f"free for its runs' files in {small}, which has 0 GiB" in result.stderr
     assert left == []
 
 

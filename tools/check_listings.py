@@ -704,7 +704,7 @@ def report_same_as(same_as, checked, files):
 # end. A file missing here counts as the longest and starts first. To refresh the numbers, copy
 # the time column of the table the check prints at its end.
 TYPICAL_SECONDS = {
-    "INSTRUCTORS.md": 500, "README.md": 300, "09_tensor_parallel/README.md": 250,
+    "INSTRUCTORS.md": 500, "README.md": 80, "09_tensor_parallel/README.md": 250,
     "03_multi_node/README.md": 200, "07_sharding/README.md": 200,
     "08_ddp_from_scratch/README.md": 200, "10_pipeline_parallel/README.md": 160,
     "04_checkpointing/README.md": 150, "06_ddp_in_practice/README.md": 150,
