@@ -5,7 +5,8 @@
 
 CI (.ci/run) runs its steps on two slots: two pytest workers, two listing files at a time, two
 mutants at a time. For lesson NN this runs, one after another and each in one slot, what those
-steps run for it: its test files (tests/test_NN_*.py) and its notebook's tests, the listings of
+steps run for it: its test files (tests/test_NN_*.py) and the notebook test that runs its
+notebook (with the others on the README's line: an upper bound), the listings of
 its README and exercise page, its mistakes in tools/mutants.py, and its exercise's tests. It
 prints each command's seconds, their sum, and half the sum: the lesson's share of CI's wall
 time, which tests/README.md limits to 300 s for a new lesson (on a day when `import torch`
@@ -35,8 +36,9 @@ def commands(number):
         found.append(("pytest: its test files", [*pytest, *tests]))
     notebooks = sorted(ROOT.glob(f"notebooks/{number}_*.ipynb"))
     if notebooks:
-        found.append(("pytest: its notebook", [*pytest, "tests/test_notebooks.py", "-k",
-                                               notebooks[0].stem]))
+        # The README's line that runs its notebook (a line runs up to three: an upper bound).
+        found.append(("pytest: its notebook's line", [*pytest, "tests/test_notebooks.py", "-k",
+                                                      notebooks[0].stem]))
     pages = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob(f"{number}_*/README.md"),
                                                        *ROOT.glob(f"exercises/{number}_*.md")])
     if pages:

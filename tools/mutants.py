@@ -57,6 +57,18 @@ MUTANTS = [
         tests=("tests/test_02_multi_gpu_spawn.py::"
                "test_the_printed_loss_is_the_mean_over_every_rank",),
     ),
+    Mutant(
+        id="02-ranks-spawned",
+        file="02_multi_gpu_spawn/train.py",
+        find='mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")',
+        replace="mp.spawn(fn, args=args, nprocs=nprocs)",
+        claim="Each rank is forked from a server that has imported torch: torch is not imported "
+              "again per rank.",
+        readme="02_multi_gpu_spawn/README.md#ranks-started-by-mpspawn",
+        tests=("tests/test_02_multi_gpu_spawn.py::"
+               "test_the_ranks_are_forked_from_a_server_that_imported_torch_once",),
+        kind="refactor",
+    ),
     # --- lesson 03: torchrun, global and local rank ---
     Mutant(
         id="03-global-rank-is-local-rank",
