@@ -285,6 +285,7 @@ def run_line(line, cwd, env):
         return process.returncode, output
 
 
+@pytest.mark.notebooks
 @pytest.mark.timeout(RUN_TIMEOUT + 60)
 @pytest.mark.parametrize("line", README_LINES, ids=lambda line: "+".join(
     path.stem for path in notebooks_of(line)) or line)

@@ -317,6 +317,6 @@ def test_a_lessons_share_of_ci_names_what_each_step_runs_for_it():
     assert result.returncode == 0, result.stderr
     lines = dict(line.rsplit(": ", 1) for line in result.stdout.splitlines())
     assert lines["pytest: its test files"].endswith("tests/test_10_pipeline_parallel.py")
-    assert lines["pytest: its notebook's line"].endswith("-k 10_pipeline_parallel")
+    assert lines["notebooks: its notebook's line"].endswith("-k 10_pipeline_parallel")
     assert lines["listings: its pages"].endswith("--jobs 1 10_pipeline_parallel/README.md")
     assert len(lines["mutation check: its mistakes"].split(" 10-")) == 6  # the tool, then 5

@@ -37,8 +37,9 @@ def commands(number):
     notebooks = sorted(ROOT.glob(f"notebooks/{number}_*.ipynb"))
     if notebooks:
         # The README's line that runs its notebook (a line runs up to three: an upper bound).
-        found.append(("pytest: its notebook's line", [*pytest, "tests/test_notebooks.py", "-k",
-                                                      notebooks[0].stem]))
+        found.append(("notebooks: its notebook's line", [*pytest, "-m", "notebooks",
+                                                         "tests/test_notebooks.py", "-k",
+                                                         notebooks[0].stem]))
     pages = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob(f"{number}_*/README.md"),
                                                        *ROOT.glob(f"exercises/{number}_*.md")])
     if pages:
