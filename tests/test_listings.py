@@ -348,6 +348,22 @@ def test_files_that_use_the_same_fixed_port_never_run_at_once(tmp_path):
     assert "-- started other.md (fixed ports 29599)\n" in result.stdout
 
 
+def test_a_file_marked_to_run_alone_runs_beside_no_other(tmp_path):
+    # A file that times its commands says so; the control is the same two files unmarked.
+    marker = "<!-- listings: run alone (it times a loop) -->\n\n"
+    for n, (mark, apart) in enumerate([(marker, True), ("", False)]):
+        shared = tmp_path / str(n) / "shared"
+        shared.mkdir(parents=True)
+        result = side_by_side(tmp_path / str(n),
+                              f"{mark}```bash\npython record.py {shared}/README\n```\n",
+                              f"```bash\npython record.py {shared}/other\n```\n",
+                              files={"record.py": RECORD})
+        assert result.returncode == 0, result.stdout
+        (began, ended), (other_began, other_ended) = (
+            map(float, (shared / name).read_text().split()) for name in ("README", "other"))
+        assert (began < other_ended and other_began < ended) != apart, (mark, result.stdout)
+
+
 def test_a_failure_in_one_file_fails_the_check_and_the_other_file_still_runs(tmp_path):
     result = side_by_side(tmp_path, "```bash\necho before\nfalse\n```\n",
                           "```bash\nsleep 0.5\necho done\n```\n")

@@ -731,6 +731,11 @@ UNNAMED_PORTS = [
     # the preflight binds 29500 for a moment, to see whether lesson 03 could use it
     (re.compile(r"00_preflight/preflight\.py\b"), 29500),
 ]
+# A file whose commands measure speed (a benchmark, a timed loop) says so in a line of its own,
+# and runs with no other file beside it: on a 2-core machine a second file's ranks take the
+# cores it times (beside another file, the README's quick benchmark and lesson 05's timed loop
+# each ran past 300 s).
+ALONE = re.compile(r"^<!-- listings: run alone \(.+\) -->$", re.MULTILINE)
 PRINTING = threading.Lock()  # held while a file's lines are printed, so that no others cut in
 
 
@@ -783,20 +788,22 @@ def check_file(root, listing, timeout, checked, live):
 
 
 def run_files(root, listings, timeout, jobs, checked):
-    """Run the files (check_file), jobs at a time: the longest first (TYPICAL_SECONDS), and never
-    two at once that share a fixed port (fixed_ports). Returns each file's (failures, seconds),
-    in the order given. Stopped (SIGTERM, Ctrl-C), it ends every running file's shell and lets
-    the exception go on once each has removed its copy."""
+    """Run the files (check_file), jobs at a time: the longest first (TYPICAL_SECONDS), never two at
+    once that share a fixed port (fixed_ports), and a file marked ALONE beside no other. Returns
+    each file's (failures, seconds), in the order given. Stopped (SIGTERM, Ctrl-C), it ends
+    every running file's shell and lets the exception go on once each has removed its copy."""
     waiting = list(range(len(listings)))  # the files by their number in listings
     if jobs > 1:
         waiting.sort(key=lambda n: TYPICAL_SECONDS.get(listings[n].path, math.inf), reverse=True)
     ports = [fixed_ports(listing) for listing in listings]
+    alone = [bool(ALONE.search((root / listing.path).read_text())) for listing in listings]
     outcomes, running = [None] * len(listings), {}  # running: each file's future -> its number
     with ThreadPoolExecutor(jobs) as pool:
         try:
             while waiting or running:
                 taken = set().union(*(ports[n] for n in running.values()))
-                free = [n for n in waiting if not ports[n] & taken]
+                free = [n for n in waiting if not ports[n] & taken and not (
+                    running and (alone[n] or any(alone[r] for r in running.values())))]
                 if free and len(running) < jobs:
                     n = free[0]
                     waiting.remove(n)
