@@ -160,9 +160,9 @@ def check_group(backend, world_size, timeout):
     """Start world_size processes as lesson 02 does; (True, detail) or (False, reason)."""
     import torch.multiprocessing as mp
 
-    # As lesson 02's start_ranks: forked from a server that has imported torch once, or spawned
-    # where there is no fork (Windows).
-    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    # As lesson 02's start_ranks: forked from a server that has imported torch once on Linux,
+    # spawned on macOS and Windows (Python's default there).
+    method = "forkserver" if sys.platform == "linux" else "spawn"
     mp.set_forkserver_preload(["torch", "torch.distributed"])
     results = mp.get_context(method).SimpleQueue()
     start = time.monotonic()

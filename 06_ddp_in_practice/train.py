@@ -20,6 +20,7 @@ import json
 import math
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -64,7 +65,7 @@ def find_free_port():
 def start_ranks(fn, args, nprocs):
     """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
     scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
-    if "forkserver" not in mp.get_all_start_methods():  # Windows: spawn, as mp.spawn does
+    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
         return mp.spawn(fn, args=args, nprocs=nprocs)
     # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
     mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
