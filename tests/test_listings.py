@@ -324,6 +324,13 @@ with open(sys.argv[1], "w") as out:
 """
 
 
+def ran_together(shared):
+    """Whether the commands that RECORD timed, into shared/README and shared/other, overlapped."""
+    (began, ended), (other_began, other_ended) = (
+        map(float, (shared / name).read_text().split()) for name in ("README", "other"))
+    return began < other_ended and other_began < ended
+
+
 def test_files_that_use_the_same_fixed_port_never_run_at_once(tmp_path):
     # Each file's command records when it ran. The preflight takes 29500 without naming it.
     pairs = {  # README.md's command, other.md's, and whether they must run apart
@@ -341,10 +348,7 @@ def test_files_that_use_the_same_fixed_port_never_run_at_once(tmp_path):
                               f"```bash\n{other.format(shared)}\n```\n",
                               files={"record.py": RECORD, "00_preflight/preflight.py": RECORD})
         assert result.returncode == 0, result.stdout
-        (began, ended), (other_began, other_ended) = (
-            map(float, (shared / name).read_text().split()) for name in ("README", "other"))
-        overlap = began < other_ended and other_began < ended
-        assert overlap != apart, (case, result.stdout)
+        assert ran_together(shared) != apart, (case, result.stdout)
     assert "-- started other.md (fixed ports 29599)\n" in result.stdout
 
 
@@ -359,9 +363,7 @@ def test_a_file_marked_to_run_alone_runs_beside_no_other(tmp_path):
                               f"```bash\npython record.py {shared}/other\n```\n",
                               files={"record.py": RECORD})
         assert result.returncode == 0, result.stdout
-        (began, ended), (other_began, other_ended) = (
-            map(float, (shared / name).read_text().split()) for name in ("README", "other"))
-        assert (began < other_ended and other_began < ended) != apart, (mark, result.stdout)
+        assert ran_together(shared) != apart, (mark, result.stdout)
 
 
 def test_a_failure_in_one_file_fails_the_check_and_the_other_file_still_runs(tmp_path):
