@@ -19,7 +19,6 @@ import ast
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +29,9 @@ import yaml  # pre-commit's own dependency: it reads .pre-commit-config.yaml wit
 from nbclient import NotebookClient
 
 from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+from check_listings import copy_repository  # noqa: E402
 
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
@@ -252,18 +254,6 @@ def test_readmes_lines_execute_every_notebook_once():
         f"{[path.name for path in executed]}")
 
 
-def copy_repository(destination):
-    """The repository as a clone has it (git's files, and the untracked ones it does not ignore),
-    without runs/: the notebooks write their runs and executed copies there."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
-                             "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
-                            check=True)
-    for name in set(listed.stdout.split("\0")) - {""}:
-        if not name.startswith("runs/") and (ROOT / name).is_file():
-            (destination / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, destination / name)
-
-
 def failed_cell(output):
     """From nbconvert's output: the cell that failed and its traceback, else its last lines."""
     output = COLOUR.sub("", output)
@@ -293,7 +283,7 @@ def test_readmes_line_executes_its_notebooks(line, jupyter_path, tmp_path):
     # As a learner runs it: from the root of the repository, jupyter from the virtual
     # environment, each notebook's kernel started in notebooks/, its runs in runs/notebooks/.
     copy = tmp_path / "repository"
-    copy_repository(copy)
+    copy_repository(ROOT, copy)  # tools/check_listings.py's: a clone's files, no runs/
     env = {**os.environ,
            "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
            "JUPYTER_PATH": os.pathsep.join(filter(None, [str(jupyter_path),
