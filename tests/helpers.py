@@ -148,8 +148,10 @@ def run_nodes(commands, timeout=240):
     """Start one command per node at once (node 0 first), wait for all; their results in order.
 
     commands: (argv, env) pairs. Each node is its own process tree, as on separate machines.
-    Output goes to files, not pipes, so a talkative node cannot block on a full pipe."""
-    nodes, logs = [], []
+    Output goes to files, not pipes, so a talkative node cannot block on a full pipe. A node
+    still running at the timeout is killed and its result says so (a negative exit status), so
+    that a hang fails the test that asserts on it, not the fixture that started it."""
+    nodes, logs, late = [], [], set()
     for argv, env in commands:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         logs.append((out, err))
@@ -158,7 +160,10 @@ def run_nodes(commands, timeout=240):
     try:
         deadline = time.monotonic() + timeout
         for node in nodes:
-            node.wait(timeout=max(1, deadline - time.monotonic()))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.wait(timeout=max(1, deadline - time.monotonic()))
+            if node.poll() is None:
+                late.add(node.pid)
     finally:
         for node in nodes:
             if node.poll() is None:
@@ -167,8 +172,10 @@ def run_nodes(commands, timeout=240):
     results = []
     for node, (out, err) in zip(nodes, logs, strict=True):
         out.seek(0), err.seek(0)
+        stderr = err.read() + (f"\nkilled: still running after {timeout} s\n"
+                               if node.pid in late else "")
         results.append(subprocess.CompletedProcess(node.args, node.returncode, out.read(),
-                                                   err.read()))
+                                                   stderr))
         out.close(), err.close()
     return results
 

@@ -77,7 +77,11 @@ def lesson02_four_ranks(lesson_run):
 def two_nodes_by_hand(tmp_path_factory):
     out_dirs = [tmp_path_factory.mktemp(f"node{n}") for n in (0, 1)]
     port = free_port()
-    results = run_nodes([(by_hand(n, out_dirs[n], port), {}) for n in (0, 1)])
+    # 30 s, not the default 120: a node whose ranks find no peer (a wrong world size, node 0
+    # already gone) stops within about twice that, and its test fails on the exit status, well
+    # inside run_nodes' 240 s. Node 0 is up in a few seconds, 15 on a machine at load 9.
+    results = run_nodes([(by_hand(n, out_dirs[n], port, "--timeout", "30"), {})
+                         for n in (0, 1)])
     return results, out_dirs
 
 
