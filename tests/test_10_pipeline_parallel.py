@@ -10,8 +10,10 @@ stopped, from another --stages and --schedule too. The GPU tier (NCCL) is at the
 
 Some 30 runs would take 30 launches; instead tests/every_schedule.py starts 4 ranks once and
 calls the lessons' own main() for every run (RUNS) on the ranks each needs, lesson 08's
-references included (the suite launches none with these flags). Lesson 02's run of one process
-is the suite's own (lesson02_run). The torchrun run and the bad --layers are real launches.
+references included (the suite launches none with these flags), and only the runs that the
+selected tests read (READS): one test alone, as the mutation check runs it, makes 1 to 6 runs,
+not 30. Lesson 02's run of one process is the suite's own (lesson02_run). The torchrun run and
+the bad --layers are real launches.
 
 Tolerance. A schedule changes the order in which micro-batches run, never the order in which a
 weight's gradients add up (micro-batch 0 first, on every schedule and layout): every schedule and
@@ -32,6 +34,7 @@ epochs)."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,14 +97,50 @@ RUNS = [  # (name, flags), in the order tests/every_schedule.py runs them
 ]
 
 
+def stages_runs(stages, schedules=SCHEDULES):
+    return {f"{stages}_stage{'s' * (stages > 1)}_{s}" for s in schedules}
+
+
+# What each test reads of RUNS, by name, from its parameters.
+READS = {
+    "test_every_schedule_takes_the_steps_of_one_process":
+        lambda stages, reference, **_: {*stages_runs(stages), reference},
+    "test_the_schedules_change_the_order_not_the_sums":
+        lambda stages: stages_runs(stages) | (stages_runs(2, ["afab"]) if stages == 1 else set()),
+    "test_dp_pipelines_take_the_steps_of_ddp": lambda: {"dp_pp", "08_dp_2"},
+    "test_unequal_micro_batches_need_the_batchs_mean_not_torchs_default":
+        lambda: {"padded", "padded_torch_loss", "08_padded"},
+    "test_each_rank_runs_the_order_its_schedule_defines": lambda schedule: {f"order_{schedule}"},
+    "test_a_resume_ends_bitwise_on_the_run_that_never_stopped":
+        lambda: {"resume", "2_stages_1f1b"},
+    "test_a_checkpoint_loads_into_another_stages_and_schedule":
+        lambda: {"relayout", "2_stages_1f1b"},
+    "test_final_pt_is_lesson_01s_model_and_its_accuracy": lambda: {"layers_1"},
+    "test_torchrun_takes_the_steps_of_mp_spawn": lambda: {"layers_1"},
+}
+
+
+def runs_read(items):
+    """The names of RUNS that these tests read (READS): under xdist, every test of this file that
+    a worker collected, a superset of those it runs."""
+    names = set()
+    for item in items:
+        if item.path == Path(__file__) and "every_run" in item.fixturenames:
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            names |= READS[item.originalname](**params)  # a KeyError: add the test to READS
+    assert names <= {name for name, _ in RUNS}, names - {name for name, _ in RUNS}
+    return names
+
+
 @pytest.fixture(scope="module")
-def every_run(tmp_path_factory):
-    """tests/every_schedule.py on RUNS, once for this file: (finished process, folder), each run
-    in folder/<name>. The tests check its exit status, so that a lesson that fails or hangs makes
-    them fail, not error."""
+def every_run(tmp_path_factory, request):
+    """tests/every_schedule.py on the RUNS that this session's tests read, once for this file:
+    (finished process, folder), each run in folder/<name>. The tests check its exit status, so
+    that a lesson that fails or hangs makes them fail, not error."""
     out_dir = tmp_path_factory.mktemp("lesson10")
     command = [sys.executable, str(ROOT / "tests" / "every_schedule.py"), str(out_dir)]
-    for i, (name, flags) in enumerate(RUNS):
+    wanted = runs_read(request.session.items)
+    for i, (name, flags) in enumerate((name, flags) for name, flags in RUNS if name in wanted):
         command += [*(["::"] if i else []), name, *CPU, *map(str, flags)]
     try:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280,
