@@ -151,7 +151,7 @@ def run_nodes(commands, timeout=240):
     Output goes to files, not pipes, so a talkative node cannot block on a full pipe. A node
     still running at the timeout is killed and its result says so (a negative exit status), so
     that a hang fails the test that asserts on it, not the fixture that started it."""
-    nodes, logs, late = [], [], set()
+    nodes, logs = [], []
     for argv, env in commands:
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         logs.append((out, err))
@@ -162,9 +162,8 @@ def run_nodes(commands, timeout=240):
         for node in nodes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.wait(timeout=max(1, deadline - time.monotonic()))
-            if node.poll() is None:
-                late.add(node.pid)
     finally:
+        late = {node.pid for node in nodes if node.poll() is None}
         for node in nodes:
             if node.poll() is None:
                 node.kill()

@@ -97,8 +97,13 @@ RUNS = [  # (name, flags), in the order tests/every_schedule.py runs them
 ]
 
 
+def stages_name(stages):
+    """The runs of every schedule at 1, 2 or 4 stages are named 1_stage_S, 2_stages_S, ..."""
+    return f"{stages}_stage{'s' * (stages > 1)}"
+
+
 def stages_runs(stages, schedules=SCHEDULES):
-    return {f"{stages}_stage{'s' * (stages > 1)}_{s}" for s in schedules}
+    return {f"{stages_name(stages)}_{s}" for s in schedules}
 
 
 # What each test reads of RUNS, by name, from its parameters.
@@ -186,7 +191,7 @@ def assert_pipeline_run(out_dir, world_size, learned=True, **expected):
 def test_every_schedule_takes_the_steps_of_one_process(every_run, stages, reference, tolerance):
     # gloo, `stages` ranks (mp.spawn), against lesson 08 at 1 rank on the whole batch.
     folder = runs(every_run)
-    name = f"{stages}_stage{'s' * (stages > 1)}"
+    name = stages_name(stages)
     for schedule in SCHEDULES:
         out_dir = folder / f"{name}_{schedule}"
         assert_pipeline_run(out_dir, stages, stages=stages, schedule=schedule, dp=1)
@@ -199,7 +204,7 @@ def test_the_schedules_change_the_order_not_the_sums(every_run, stages):
     # last bit; and so do 1F1B and interleaved, which run the micro-batches in another order but
     # add each weight's gradients in the same one (micro-batch 0 first).
     folder = runs(every_run)
-    name = f"{stages}_stage{'s' * (stages > 1)}"
+    name = stages_name(stages)
     for schedule in SCHEDULES[1:]:
         assert max_weight_difference(folder / f"{name}_afab", folder / f"{name}_{schedule}") == 0, \
             schedule
