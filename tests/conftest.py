@@ -2,12 +2,16 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
 
-from helpers import run_lesson
+from helpers import ROOT, run_lesson
+
+sys.path.insert(0, str(ROOT / "tools"))
+from ci_slots import SLOTS  # noqa: E402
 
 
 def shared_folder(tmp_path_factory):
@@ -74,3 +78,12 @@ def pytest_collection_modifyitems(items):
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: within a file, and among the rest, pytest's order stays
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """In CI's last step each test, with the fixtures it sets up, runs in one of the two slots
+    that it shares with the listings and the mutation check (tools/ci_slots.py). Outermost
+    (tryfirst), so that pytest-timeout's clock starts once the test has its slot."""
+    with SLOTS.held():
+        yield

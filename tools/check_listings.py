@@ -105,6 +105,8 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+from ci_slots import SLOTS  # noqa: E402
 
 OPEN_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^\s`]*)")
 MARKER = re.compile(r"<!--\s*listing\b")
@@ -762,16 +764,18 @@ def announce(listing, say):
         say(f"{command.where}  same as {original.where}  {one_line(command.shown)}")
 
 
-def check_file(root, listing, timeout, checked, live):
+def check_file(root, listing, timeout, checked, live, alone=False):
     """Run one file's commands and print its lines: live, each as it comes; else all of them
     when the file is done, so that the lines of two files running at once never mix. Returns
     the file's failures (its commands' and the conventions it breaks) and its seconds."""
     lines = []
     say = partial(print, flush=True) if live else lines.append
     announce(listing, say)
-    began, failed = time.monotonic(), []
-    returncode, shell_output, results = run_listing(
-        root, listing, timeout, partial(report, failed=failed, checked=checked, say=say))
+    # In CI's last step a file waits for a slot (tools/ci_slots.py), and one marked ALONE for both.
+    with SLOTS.held(2 if alone else 1):
+        began, failed = time.monotonic(), []
+        returncode, shell_output, results = run_listing(
+            root, listing, timeout, partial(report, failed=failed, checked=checked, say=say))
     never_ran = len(listing.commands) - len(results)
     if never_ran:
         say(f"{listing.path}: the shell ended (status {returncode}) after {len(results)} of "
@@ -813,7 +817,7 @@ def run_files(root, listings, timeout, jobs, checked):
                                 f" (fixed ports {', '.join(map(str, sorted(ports[n])))})"
                                 if ports[n] else ""), flush=True)
                     running[pool.submit(check_file, root, listings[n], timeout, checked,
-                                        jobs == 1)] = n
+                                        jobs == 1, alone[n])] = n
                     continue
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -822,6 +826,7 @@ def run_files(root, listings, timeout, jobs, checked):
             # Stopped (or a file's run raised): a thread cannot be interrupted, so end each
             # running file's shell, whose end ends its run_listing (which then removes its
             # copy), and wait for every thread; a shell started meanwhile is ended next round.
+            SLOTS.stopped.set()  # and a file still waiting for a slot starts not
             while running:
                 stop_shells()
                 done, _ = wait(running, timeout=POLL)
@@ -863,6 +868,7 @@ def main(argv=None):
     # Stopped from outside (a cancelled CI job), end the way Ctrl-C does: the finally blocks
     # stop the shells' processes and remove the copies, rather than leave them running.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    os.environ.pop("CI_SLOTS", None)  # the commands run inside this tool's slots (ci_slots.py)
     root = args.root.resolve()
     files = args.files or default_files(root)
     missing = [name for name in files if not (root / name).is_file()]

@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 from check_listings import copy_repository, descendants, process_tree, signal_all  # noqa: E402
+from ci_slots import SLOTS  # noqa: E402
 from mutants import MUTANTS  # noqa: E402
 
 TABLE = ROOT / "tests" / "README.md"
@@ -127,8 +128,9 @@ def write_table(mutants, path=TABLE):
 def check_all(root, mutants, timeout, jobs):
     """Check the mistakes, jobs at a time; print each one's line as it ends; count them."""
     def timed(mutant):
-        begun = time.monotonic()
-        return (mutant, *check(root, mutant, timeout, shared_runs), time.monotonic() - begun)
+        with SLOTS.held():  # in CI's last step, one of its two slots (tools/ci_slots.py)
+            begun = time.monotonic()
+            return (mutant, *check(root, mutant, timeout, shared_runs), time.monotonic() - begun)
 
     # Stopped from outside (a cancelled CI job), end as Ctrl-C does, with every test run.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -142,6 +144,7 @@ def check_all(root, mutants, timeout, jobs):
                 print(f"{status:<8} {mutant.id:<36} {seconds:5.1f} s  {detail}", flush=True)
         except BaseException:  # Ctrl-C, SIGTERM: stop every test run, start no more
             STOPPING.set()
+            SLOTS.stopped.set()
             for process in list(RUNNING):
                 stop(process)
             raise
@@ -173,6 +176,7 @@ def main(argv=None, mutants=MUTANTS, root=ROOT):
     if args.write_table:
         write_table(chosen)
         return 0
+    os.environ.pop("CI_SLOTS", None)  # its tests run inside this tool's slots (ci_slots.py)
     started = time.monotonic()
     counts = check_all(root, chosen, args.timeout, args.jobs)
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))

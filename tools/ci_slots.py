@@ -1,0 +1,56 @@
+"""Two slots for CI's last step, in which three tools run at once and share the machine's cores.
+
+.ci/run starts the listings check, the mutation check and the exercises' tests together, and lets
+only two of their jobs (a listing file, a mistake, a test) run at a time, as GNU make's jobserver
+does: a named pipe, which CI_SLOTS names, holds one byte per slot; a job reads one byte before it
+starts and writes it back when it ends. So no tool ends on one long job while the other core waits
+for the next tool. Without CI_SLOTS (a tool run by hand), a job takes no slot and starts at once.
+"""
+
+import contextlib
+import os
+import select
+import threading
+import time
+
+
+class Slots:
+    def __init__(self, path):
+        self.pipe = os.open(path, os.O_RDWR | os.O_NONBLOCK) if path else None
+        # While a job that needs several slots holds some and waits for the rest, this file
+        # exists, and no job takes a first slot: else the others' jobs could keep it waiting.
+        self.claim = f"{path}.claimed"
+        self.stopped = threading.Event()  # set when the tool stops: no waiting job starts then
+
+    @contextlib.contextmanager
+    def held(self, count=1):
+        """Wait for count slots, hold them while the block runs, then give them back."""
+        taken = b""
+        try:
+            while self.pipe is not None and len(taken) < count:
+                if self.stopped.is_set():
+                    raise RuntimeError("stopped while waiting for a slot")
+                if not taken and os.path.exists(self.claim):
+                    time.sleep(0.2)  # another job is gathering slots: it goes first
+                    continue
+                select.select([self.pipe], [], [], 1)  # a free slot, or a second gone by
+                with contextlib.suppress(BlockingIOError):  # another job took it first
+                    taken += os.read(self.pipe, 1)
+                if taken and len(taken) < count:
+                    open(self.claim, "w").close()
+            self.unclaim(count)
+            yield
+        finally:
+            self.unclaim(count)  # also when it stopped while gathering
+            if taken:
+                os.write(self.pipe, taken)
+
+    def unclaim(self, count):
+        if self.pipe is not None and count > 1:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.claim)
+
+
+# This process's slots. A tool that takes slots for the jobs it starts removes CI_SLOTS from its
+# environment (os.environ.pop), so that a job's own processes do not wait for slots of their own.
+SLOTS = Slots(os.environ.get("CI_SLOTS"))
