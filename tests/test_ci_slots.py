@@ -52,6 +52,7 @@ def test_two_slots_run_two_jobs_at_a_time_and_every_slot_comes_back(pipe):
     slots = ci_slots.Slots(path)
     assert most_at_once(slots, [1] * 5) == 2
     assert most_at_once(slots, [2, 1, 1, 2]) == 2  # a job that holds both runs beside none
+    assert most_at_once(slots, [2, 2, 2, 1]) == 2  # and two such jobs never hold one each
     assert os.read(ours, 10) == b"++"
 
 

@@ -17,38 +17,42 @@ import time
 class Slots:
     def __init__(self, path):
         self.pipe = os.open(path, os.O_RDWR | os.O_NONBLOCK) if path else None
-        # While a job that needs several slots holds some and waits for the rest, this file
-        # exists, and no job takes a first slot: else the others' jobs could keep it waiting.
+        # While a job that needs several slots gathers them, this file exists, and no other job
+        # takes a slot: else the others' jobs could keep it waiting, or two such jobs each hold
+        # one slot and wait for the other's.
         self.claim = f"{path}.claimed"
         self.stopped = threading.Event()  # set when the tool stops: no waiting job starts then
 
     @contextlib.contextmanager
     def held(self, count=1):
         """Wait for count slots, hold them while the block runs, then give them back."""
-        taken = b""
+        taken, claimed = b"", False
         try:
             while self.pipe is not None and len(taken) < count:
                 if self.stopped.is_set():
                     raise RuntimeError("stopped while waiting for a slot")
-                if not taken and os.path.exists(self.claim):
-                    time.sleep(0.2)  # another job is gathering slots: it goes first
-                    continue
+                if not claimed:
+                    try:  # a job that needs several slots claims them first, one job at a time
+                        if count > 1:
+                            os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                            claimed = True
+                        elif os.path.exists(self.claim):
+                            raise FileExistsError
+                    except FileExistsError:
+                        time.sleep(0.2)  # another job is gathering slots: it goes first
+                        continue
                 select.select([self.pipe], [], [], 1)  # a free slot, or a second gone by
                 with contextlib.suppress(BlockingIOError):  # another job took it first
                     taken += os.read(self.pipe, 1)
-                if taken and len(taken) < count:
-                    open(self.claim, "w").close()
-            self.unclaim(count)
+            if claimed:  # gathered: the others may take slots again
+                os.remove(self.claim)
+                claimed = False
             yield
         finally:
-            self.unclaim(count)  # also when it stopped while gathering
+            if claimed:  # stopped while gathering
+                os.remove(self.claim)
             if taken:
                 os.write(self.pipe, taken)
-
-    def unclaim(self, count):
-        if self.pipe is not None and count > 1:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.claim)
 
 
 # This process's slots. A tool that takes slots for the jobs it starts removes CI_SLOTS from its
