@@ -77,6 +77,9 @@ port, one that a command names (--master-port, MASTER_PORT=, --rdzv-endpoint) or
 naming it (lesson 03's 29500 with several nodes, torchrun's without --standalone, the
 preflight's look at 29500). Each file has its own copy: the two share only the machine and what
 lies outside the copies (TMPDIR, caches).
+In CI's last step (CI_SLOTS set, tools/ci_slots.py) a file also waits for one of the two slots
+it shares with the mutation check and the exercises' tests, and a file marked to run alone for
+both.
 
 It prints, for each file, its first line, one line per command (file:line, seconds, ok or
 FAIL), for a failure the command and the end of its output, and the file's last line: as they

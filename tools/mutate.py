@@ -14,6 +14,8 @@ replace is not in the file exactly once; "error" when pytest could not run the t
 5: the mistake broke the file, or a test name is wrong) or they ran past the time limit. Exit
 status 1 unless all are caught. A lesson run that the tests make of a lesson the mistake leaves
 alone (tests/conftest.py's lesson_run) is made once, for every mistake that needs it.
+Two mistakes at a time (--jobs); in CI's last step (CI_SLOTS set, tools/ci_slots.py) each also
+waits for one of the two slots it shares with the listings check and the exercises' tests.
 """
 
 import argparse
