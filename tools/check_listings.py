@@ -107,9 +107,9 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from ci_slots import SLOTS  # tools/, beside this file: on sys.path for a script and its importers
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-from ci_slots import SLOTS  # noqa: E402
 
 OPEN_FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([^\s`]*)")
 MARKER = re.compile(r"<!--\s*listing\b")

@@ -31,16 +31,11 @@ class Slots:
             while self.pipe is not None and len(taken) < count:
                 if self.stopped.is_set():
                     raise RuntimeError("stopped while waiting for a slot")
-                if not claimed:
-                    try:  # a job that needs several slots claims them first, one job at a time
-                        if count > 1:
-                            os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                            claimed = True
-                        elif os.path.exists(self.claim):
-                            raise FileExistsError
-                    except FileExistsError:
-                        time.sleep(0.2)  # another job is gathering slots: it goes first
-                        continue
+                if count > 1 and not claimed:
+                    claimed = self.try_claim()  # several slots: one such job gathers at a time
+                if not claimed and os.path.exists(self.claim):
+                    time.sleep(0.2)  # another job is gathering slots: it goes first
+                    continue
                 select.select([self.pipe], [], [], 1)  # a free slot, or a second gone by
                 with contextlib.suppress(BlockingIOError):  # another job took it first
                     taken += os.read(self.pipe, 1)
@@ -53,6 +48,13 @@ class Slots:
                 os.remove(self.claim)
             if taken:
                 os.write(self.pipe, taken)
+
+    def try_claim(self):
+        try:
+            os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
 
 
 # This process's slots. A tool that takes slots for the jobs it starts removes CI_SLOTS from its
