@@ -131,8 +131,8 @@ def test_every_lesson_passes_its_own_exercise(exercise, tmp_path, lesson_runs):
 def test_each_mistake_is_named(case, tmp_path, lesson_runs):
     script = copy_lesson(case.lesson, tmp_path / "mine", case.changes)
     done = check(case.exercise, script, tmp_path, lesson_runs)
-    verdict, likely, where = done.stdout.splitlines()
     assert done.returncode == 1, done.stdout + done.stderr
+    verdict, likely, where = done.stdout.splitlines()
     assert verdict.startswith(f"NOT YET exercise {case.exercise} "), verdict
     assert likely.startswith("  most likely: ") and case.says in likely, done.stdout
     assert where.startswith("  where to look: ")

@@ -44,6 +44,12 @@ class AfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
+def part(name):
+    """Where a record is written before it is renamed to name: a process killed while writing
+    (a launcher stops its other ranks when one fails) leaves a .part file, never half a record."""
+    return os.path.join(OUT, name + ".part")
+
+
 def record(torch):
     import torch.distributed as dist
     from torch import nn
@@ -117,8 +123,9 @@ def record(torch):
         # that then waits forever, and is killed, still tells the checker who it meant to be.
         asked = {"rank": kwargs.get("rank", int(os.environ.get("RANK", -1))),
                  "world_size": kwargs.get("world_size", int(os.environ.get("WORLD_SIZE", -1)))}
-        with open(os.path.join(OUT, f"{log['pid']}.json"), "w") as f:
+        with open(part(f"{log['pid']}.json"), "w") as f:
             json.dump(asked, f)
+        os.replace(f.name, f.name[:-len(".part")])
         real_init(*args, **kwargs)
         log["rank"], log["world_size"] = dist.get_rank(), dist.get_world_size()
 
@@ -128,7 +135,8 @@ def record(torch):
         if not (log["steps"] or log["eval_rows"] or log["loads"] or log["saves"]):
             return  # a launcher: it trained nothing
         log["layers"] = sorted(log["layers"])
-        real_save(log, os.path.join(OUT, f"{log['pid']}.pt"))
+        real_save(log, part(f"{log['pid']}.pt"))
+        os.replace(part(f"{log['pid']}.pt"), os.path.join(OUT, f"{log['pid']}.pt"))
 
     atexit.register(write)
     real_exit = os._exit
