@@ -116,8 +116,15 @@ def copy_lesson(lesson, folder, changes=()):
     return folder / "train.py"
 
 
+def by_exercise(values, exercise_of):
+    """Each value as a parameter in its exercise's xdist group: with --dist loadgroup one worker
+    takes all of an exercise's tests, so its lesson's reference run (lesson_runs) is made once."""
+    return [pytest.param(value, marks=pytest.mark.xdist_group(f"exercise-{exercise_of(value)}"))
+            for value in values]
+
+
 @pytest.mark.exercises
-@pytest.mark.parametrize("exercise", LESSONS)
+@pytest.mark.parametrize("exercise", by_exercise(LESSONS, lambda exercise: exercise))
 def test_every_lesson_passes_its_own_exercise(exercise, tmp_path, lesson_runs):
     # Exercise 08's reference is lesson 02's DDP: lesson 08's own averaging must end on it.
     script = copy_lesson(LESSONS[exercise], tmp_path / "mine")
@@ -127,7 +134,8 @@ def test_every_lesson_passes_its_own_exercise(exercise, tmp_path, lesson_runs):
 
 
 @pytest.mark.exercises
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+@pytest.mark.parametrize("case", by_exercise(CASES, lambda case: case.exercise),
+                         ids=lambda case: case.id)
 def test_each_mistake_is_named(case, tmp_path, lesson_runs):
     script = copy_lesson(case.lesson, tmp_path / "mine", case.changes)
     done = check(case.exercise, script, tmp_path, lesson_runs)
