@@ -5,6 +5,15 @@ This file is the same, byte for byte, beside every lesson's train.py (tests/test
 one copy differs), so that a lesson's diff from the one before shows only what it teaches. A
 lesson imports the guard rails it needs by name. Nothing here is needed to understand DDP: read
 it when a message surprises you.
+
+Its parts, in this order, and the lessons that use each:
+    flags, the launcher, --out-dir, Ctrl-C      every lesson
+    flags of one lesson that cannot work        06, 07, 09, 10
+    ranks that fail, stall or lose each other   02 to 10, and benchmarks/scaling.py
+    nodes                                       03
+    a save that fails                           every lesson
+    resuming from one file                      04; its restart store: 04, 07, 09, 10
+    sharded checkpoints (DCP)                   07, 09, 10
 """
 
 import contextlib
@@ -39,9 +48,8 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view")
 
 # ---------------------------------------------------------------------------------------------
-# Every lesson: flags, launcher, --out-dir, Ctrl-C
+# Flags, the launcher, --out-dir, Ctrl-C: every lesson
 # ---------------------------------------------------------------------------------------------
-
 def fail(message):
     """Stop with one line that says what is wrong and how to fix it (no traceback)."""
     sys.exit(f"error: {message}")
@@ -120,9 +128,109 @@ def start(entry, parse, torchrun_ok):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lessons with ranks: the port, ranks that fail, stall or lose each other
+# Flags of one lesson that cannot work: 06, 07, 09, 10
 # ---------------------------------------------------------------------------------------------
+def check_practice_args(args):
+    """Every lesson's checks (check_args), then this lesson's: flag values that cannot work, and
+    what the device the ranks will train on cannot do. Returns args, as check_args does."""
+    check_args(args)
+    if args.accumulate < 1:
+        fail(f"--accumulate must be at least 1 (got {args.accumulate})")
+    for name in ("clip_grad_norm", "warmup_steps"):
+        if getattr(args, name) < 0:
+            fail(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(args, name)})")
+    # On GPUs where train.py's choose_backend will pick NCCL: from the ranks on this machine
+    # (torchrun's LOCAL_WORLD_SIZE, else --world-size), one GPU each.
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    on_gpu = args.backend == "nccl" or (args.backend == "auto" and dist.is_nccl_available()
+                                        and 0 < ranks_here <= torch.cuda.device_count())
+    if args.precision == "fp16" and not on_gpu:
+        fail("--precision fp16 needs CUDA GPUs (fp16 autocast with a GradScaler); on the CPU "
+             "use --precision bf16")
+    if args.compile:
+        if on_gpu and importlib.util.find_spec("triton") is None:
+            fail("--compile on GPUs needs triton (pip install triton), or leave out --compile")
+        language, variable, compiler = compiler_for_compile(on_gpu)
+        if compiler is None or shutil.which(compiler) is None:
+            found = f"{compiler} is not" if compiler else "neither gcc nor clang is"
+            fail(f"--compile needs a {language} compiler and {found} on the PATH; install one "
+                 f"(or set {variable} to it), or leave out --compile")
+    return args
 
+
+def compiler_for_compile(on_gpu):
+    """The compiler torch.compile will call: (language, its variable, the command or None).
+
+    On GPUs, Inductor's kernels are Triton's, and Triton builds its kernel launchers from C
+    with $CC, else gcc, else clang (triton/runtime/build.py, _find_compiler). On the CPU,
+    Inductor's kernels are C++, built with $CXX, else g++ (clang++ on macOS, cl on Windows):
+    torch/_inductor/config.py, cpp.cxx."""
+    if on_gpu:
+        return "C", "CC", os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    default = {"darwin": "clang++", "win32": "cl"}.get(sys.platform, "g++")
+    return "C++", "CXX", os.environ.get("CXX", default)
+
+
+def check_sharding(args, latest_checkpoint):
+    """Refuse, before any rank starts, a width or a checkpoint that cannot work."""
+    if args.hidden < 1:
+        fail(f"--hidden must be at least 1 (got {args.hidden})")
+    checkpoint = latest_checkpoint(os.path.join(args.out_dir, "checkpoint"))
+    if checkpoint:
+        check_checkpoint(checkpoint, args)
+
+
+def check_tensor_parallel(args):
+    """Refuse, before any rank starts, a --dp x --tp mesh that cannot split this model."""
+    if args.dp is None:  # torchrun's ranks, or else the GPUs, in TP groups of --tp; at least 1
+        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
+        args.dp = max(1, ranks // args.tp)
+    if started_by_torchrun() and args.dp * args.tp != args.world_size:
+        fail(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but torchrun "
+             f"started {args.world_size}; start dp x tp processes in all, or change --dp or --tp")
+    if args.hidden % args.tp:
+        fail(f"--tp {args.tp} does not divide --hidden {args.hidden}: each rank of a TP group "
+             f"holds hidden / tp of every layer's units; choose a --tp that divides {args.hidden}")
+    if args.tp > 1 and args.layers % 2 == 0:
+        fail(f"--layers {args.layers} makes {args.layers + 1} linear layers, and tensor "
+             "parallelism splits them in pairs (column-wise, then row-wise); use an odd --layers")
+
+
+def check_pipeline(args):
+    """Refuse, before any rank starts, --stages, --microbatches or --schedule that cannot work."""
+    if args.dp is None:  # torchrun's ranks, or else the GPUs, in pipelines of --stages; at least 1
+        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
+        args.dp = max(1, ranks // args.stages)
+    if started_by_torchrun() and args.dp * args.stages != args.world_size:
+        fail(f"--dp {args.dp} x --stages {args.stages} = {args.dp * args.stages} ranks, but "
+             f"torchrun started {args.world_size}; start dp x stages processes in all, or "
+             "change --dp or --stages")
+    chunks = 2 if args.schedule == "interleaved" else 1  # model chunks (stages) per rank
+    pieces, linears = args.stages * chunks, args.layers + 1
+    if linears % pieces:
+        over = f"--stages {args.stages}" + (f" x {chunks} chunks per rank (--schedule "
+                                            f"interleaved) = {pieces}" if chunks > 1 else "")
+        fail(f"--layers {args.layers} makes {linears} linear layers, which do not split evenly "
+             f"over {over} stages; use a --layers one less than a multiple of {pieces}, such "
+             f"as --layers {pieces * max(1, linears // pieces) - 1}")
+    if args.batch_size % args.microbatches:
+        fail(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: "
+             "every micro-batch must have the same shape (the pipeline fixes it at the first "
+             "step); choose a --batch-size that is a multiple of --microbatches")
+    # torch's Schedule1F1B and ScheduleInterleaved1F1B raise a ValueError otherwise (schedules.py).
+    if args.schedule in ("1f1b", "interleaved") and args.microbatches < args.stages:
+        fail(f"--schedule {args.schedule} needs at least one micro-batch per stage: "
+             f"--microbatches {args.microbatches} is fewer than --stages {args.stages}")
+    if args.schedule == "interleaved" and args.microbatches % args.stages:
+        fail(f"--schedule interleaved runs micro-batches in rounds of --stages: --microbatches "
+             f"{args.microbatches} is not a multiple of --stages {args.stages}")
+    if args.simulate_ms is not None and args.simulate_ms < 0:
+        fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranks: the port, ranks that fail, stall or lose each other: 02 on
+# ---------------------------------------------------------------------------------------------
 def port_in_use(port):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
@@ -310,7 +418,7 @@ def how_it_died(exit_code, what="rank"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lesson 03: node flags that cannot work, a rank 0 that cannot be reached, nodes that disagree
+# Nodes: node flags that cannot work, a rank 0 that cannot be reached, nodes that disagree: 03
 # ---------------------------------------------------------------------------------------------
 NODE_FLAGS = ("--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port")
 
@@ -446,9 +554,11 @@ def rank_table(rank, local_rank, args):
 
 
 # ---------------------------------------------------------------------------------------------
-# Every lesson: a save that fails (a full disk, no permission, a read-only filesystem)
+# Saving: a save that fails (a full disk, no permission, a read-only filesystem): every lesson
 # ---------------------------------------------------------------------------------------------
 AGAIN = "then run the same command again"
+
+
 WRITE_FIXES = {
     errno.ENOSPC: f"free some space there, {AGAIN}",
     errno.EDQUOT: f"free some space there, {AGAIN}",
@@ -494,8 +604,8 @@ def save_or_fail(path, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lessons that resume: a checkpoint that cannot continue this run, or that some rank cannot
-# see, and the store torchrun's restarts need
+# Resuming from one file: a snapshot that cannot continue this run, or that some rank cannot
+# see (04); the store torchrun's restarts need (04, 07, 09, 10)
 # ---------------------------------------------------------------------------------------------
 SNAPSHOT_KEYS = ("model", "optimizer", "epochs_completed", "train_loss", "world_size",
                  "settings")
@@ -673,61 +783,9 @@ def restart_store(rank, world_size, timeout):
 
 
 # ---------------------------------------------------------------------------------------------
-# Lesson 06: flag values that cannot work, and what the chosen device cannot do
+# Sharded checkpoints (DCP): a folder that cannot continue this run, a save that fails, ranks
+# that disagree on what to resume: 07, 09, 10
 # ---------------------------------------------------------------------------------------------
-def check_practice_args(args):
-    """Every lesson's checks (check_args), then this lesson's: flag values that cannot work, and
-    what the device the ranks will train on cannot do. Returns args, as check_args does."""
-    check_args(args)
-    if args.accumulate < 1:
-        fail(f"--accumulate must be at least 1 (got {args.accumulate})")
-    for name in ("clip_grad_norm", "warmup_steps"):
-        if getattr(args, name) < 0:
-            fail(f"--{name.replace('_', '-')} must be 0 or more (got {getattr(args, name)})")
-    # On GPUs where train.py's choose_backend will pick NCCL: from the ranks on this machine
-    # (torchrun's LOCAL_WORLD_SIZE, else --world-size), one GPU each.
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
-    on_gpu = args.backend == "nccl" or (args.backend == "auto" and dist.is_nccl_available()
-                                        and 0 < ranks_here <= torch.cuda.device_count())
-    if args.precision == "fp16" and not on_gpu:
-        fail("--precision fp16 needs CUDA GPUs (fp16 autocast with a GradScaler); on the CPU "
-             "use --precision bf16")
-    if args.compile:
-        if on_gpu and importlib.util.find_spec("triton") is None:
-            fail("--compile on GPUs needs triton (pip install triton), or leave out --compile")
-        language, variable, compiler = compiler_for_compile(on_gpu)
-        if compiler is None or shutil.which(compiler) is None:
-            found = f"{compiler} is not" if compiler else "neither gcc nor clang is"
-            fail(f"--compile needs a {language} compiler and {found} on the PATH; install one "
-                 f"(or set {variable} to it), or leave out --compile")
-    return args
-
-
-def compiler_for_compile(on_gpu):
-    """The compiler torch.compile will call: (language, its variable, the command or None).
-
-    On GPUs, Inductor's kernels are Triton's, and Triton builds its kernel launchers from C
-    with $CC, else gcc, else clang (triton/runtime/build.py, _find_compiler). On the CPU,
-    Inductor's kernels are C++, built with $CXX, else g++ (clang++ on macOS, cl on Windows):
-    torch/_inductor/config.py, cpp.cxx."""
-    if on_gpu:
-        return "C", "CC", os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
-    default = {"darwin": "clang++", "win32": "cl"}.get(sys.platform, "g++")
-    return "C++", "CXX", os.environ.get("CXX", default)
-
-
-# ---------------------------------------------------------------------------------------------
-# Lesson 07: a width or a checkpoint folder that cannot continue this run
-# ---------------------------------------------------------------------------------------------
-def check_sharding(args, latest_checkpoint):
-    """Refuse, before any rank starts, a width or a checkpoint that cannot work."""
-    if args.hidden < 1:
-        fail(f"--hidden must be at least 1 (got {args.hidden})")
-    checkpoint = latest_checkpoint(os.path.join(args.out_dir, "checkpoint"))
-    if checkpoint:
-        check_checkpoint(checkpoint, args)
-
-
 def check_checkpoint(path, args):
     """Stop with one line if the checkpoint in path cannot go on as this run asks."""
     import torch.distributed.checkpoint as dcp  # lesson 07 alone needs it
@@ -771,60 +829,6 @@ def check_checkpoint(path, args):
     if done > args.epochs:
         fail(f"{path} has {done} epochs done, more than --epochs {args.epochs}; ask for at "
              f"least {done} or choose another --out-dir")
-
-
-# ---------------------------------------------------------------------------------------------
-# Lesson 09: a mesh that cannot split the model
-# ---------------------------------------------------------------------------------------------
-def check_tensor_parallel(args):
-    """Refuse, before any rank starts, a --dp x --tp mesh that cannot split this model."""
-    if args.dp is None:  # torchrun's ranks, or else the GPUs, in TP groups of --tp; at least 1
-        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
-        args.dp = max(1, ranks // args.tp)
-    if started_by_torchrun() and args.dp * args.tp != args.world_size:
-        fail(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} ranks, but torchrun "
-             f"started {args.world_size}; start dp x tp processes in all, or change --dp or --tp")
-    if args.hidden % args.tp:
-        fail(f"--tp {args.tp} does not divide --hidden {args.hidden}: each rank of a TP group "
-             f"holds hidden / tp of every layer's units; choose a --tp that divides {args.hidden}")
-    if args.tp > 1 and args.layers % 2 == 0:
-        fail(f"--layers {args.layers} makes {args.layers + 1} linear layers, and tensor "
-             "parallelism splits them in pairs (column-wise, then row-wise); use an odd --layers")
-
-
-# ---------------------------------------------------------------------------------------------
-# Lesson 10: a pipeline that cannot split the model or the batch
-# ---------------------------------------------------------------------------------------------
-def check_pipeline(args):
-    """Refuse, before any rank starts, --stages, --microbatches or --schedule that cannot work."""
-    if args.dp is None:  # torchrun's ranks, or else the GPUs, in pipelines of --stages; at least 1
-        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
-        args.dp = max(1, ranks // args.stages)
-    if started_by_torchrun() and args.dp * args.stages != args.world_size:
-        fail(f"--dp {args.dp} x --stages {args.stages} = {args.dp * args.stages} ranks, but "
-             f"torchrun started {args.world_size}; start dp x stages processes in all, or "
-             "change --dp or --stages")
-    chunks = 2 if args.schedule == "interleaved" else 1  # model chunks (stages) per rank
-    pieces, linears = args.stages * chunks, args.layers + 1
-    if linears % pieces:
-        over = f"--stages {args.stages}" + (f" x {chunks} chunks per rank (--schedule "
-                                            f"interleaved) = {pieces}" if chunks > 1 else "")
-        fail(f"--layers {args.layers} makes {linears} linear layers, which do not split evenly "
-             f"over {over} stages; use a --layers one less than a multiple of {pieces}, such "
-             f"as --layers {pieces * max(1, linears // pieces) - 1}")
-    if args.batch_size % args.microbatches:
-        fail(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: "
-             "every micro-batch must have the same shape (the pipeline fixes it at the first "
-             "step); choose a --batch-size that is a multiple of --microbatches")
-    # torch's Schedule1F1B and ScheduleInterleaved1F1B raise a ValueError otherwise (schedules.py).
-    if args.schedule in ("1f1b", "interleaved") and args.microbatches < args.stages:
-        fail(f"--schedule {args.schedule} needs at least one micro-batch per stage: "
-             f"--microbatches {args.microbatches} is fewer than --stages {args.stages}")
-    if args.schedule == "interleaved" and args.microbatches % args.stages:
-        fail(f"--schedule interleaved runs micro-batches in rounds of --stages: --microbatches "
-             f"{args.microbatches} is not a multiple of --stages {args.stages}")
-    if args.simulate_ms is not None and args.simulate_ms < 0:
-        fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
 
 
 def checkpoints_beside(path):
