@@ -9,7 +9,6 @@ exercise pages and the checker's links run in every suite."""
 
 import ast
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ class Case:
     """A lesson with one mistake, and what the checker must say of it."""
     exercise: str
     lesson: str
-    changes: tuple  # (find, replace) pairs, each find occurring once in lesson/train.py
+    changes: tuple  # (find, replace) pairs, each find once in one of the lesson's .py files
     says: str  # a fragment of the checker's "most likely" line
     id: str
 
@@ -106,13 +105,16 @@ def check(exercise, script, cwd, lesson_runs=None, timeout=None):
 
 
 def copy_lesson(lesson, folder, changes=()):
+    """The lesson's Python files in folder (train.py, guard_rails.py, its own modules), each
+    change made in the one file that holds its find once; the copy's train.py."""
     folder.mkdir()
-    shutil.copy(ROOT / lesson / "guard_rails.py", folder)
-    source = (ROOT / lesson / "train.py").read_text()
+    sources = {path.name: path.read_text() for path in (ROOT / lesson).glob("*.py")}
     for find, replace in changes:
-        assert source.count(find) == 1, f"{find!r} is not once in {lesson}/train.py"
-        source = source.replace(find, replace)
-    (folder / "train.py").write_text(source)
+        holders = [name for name, source in sources.items() if source.count(find) == 1]
+        assert len(holders) == 1, f"{find!r} is not once in one file of {lesson}"
+        sources[holders[0]] = sources[holders[0]].replace(find, replace)
+    for name, source in sources.items():
+        (folder / name).write_text(source)
     return folder / "train.py"
 
 

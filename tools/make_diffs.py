@@ -7,11 +7,14 @@ Every folder NN_name/ with a train.py is a lesson. Every lesson but the first sa
 docstring which lesson it builds on ("Lesson 02's program, now ..."), and is diffed against that
 one, with no exceptions: lesson 05 builds on lesson 02, not on 04. The diff goes to
 NN_name/from_<base>.diff, which the lesson's README links (code hosts show it in colour) and its
-notebook prints, so what the learner reads is always what the code does. The guard rails live in
-guard_rails.py, the same file in every lesson, so no diff shows them.
+notebook prints, so what the learner reads is always what the code does. After train.py's diff
+come the lesson's own modules that train.py imports (08's grad_sync.py, 10's timeline.py), each
+diffed against the base's file of that name, or shown whole where the base has none. The guard
+rails live in guard_rails.py, the same file in every lesson, so no diff shows them.
 """
 
 import argparse
+import ast
 import difflib
 import re
 import sys
@@ -34,10 +37,29 @@ def base_of(root, lesson, all_lessons):
     return bases[0]
 
 
+def modules_of(root, lesson):
+    """The lesson's own modules that its train.py imports (guard_rails.py aside, the same in
+    every lesson): the file that holds the lesson's idea, such as 08's grad_sync.py."""
+    folder = root / lesson
+    tree = ast.parse((folder / "train.py").read_text())
+    names = {alias.name for node in tree.body if isinstance(node, ast.Import)
+             for alias in node.names}
+    names |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)
+              and node.module}
+    return sorted(f"{name}.py" for name in names - {"guard_rails"}
+                  if (folder / f"{name}.py").is_file())
+
+
 def lesson_diff(root, previous, lesson):
-    old = (root / previous / "train.py").read_text().splitlines(keepends=True)
-    new = (root / lesson / "train.py").read_text().splitlines(keepends=True)
-    return "".join(difflib.unified_diff(old, new, f"{previous}/train.py", f"{lesson}/train.py"))
+    """train.py's diff from the base's, then each module it imports: a new one whole."""
+    diffs = []
+    for name in ["train.py", *modules_of(root, lesson)]:
+        before = root / previous / name
+        old = before.read_text().splitlines(keepends=True) if before.is_file() else []
+        new = (root / lesson / name).read_text().splitlines(keepends=True)
+        old_name = f"{previous}/{name}" if before.is_file() else "/dev/null"
+        diffs.append("".join(difflib.unified_diff(old, new, old_name, f"{lesson}/{name}")))
+    return "".join(diffs)
 
 
 def expected_files(root):

@@ -338,7 +338,7 @@ MUTANTS = [
     # --- lesson 08: DDP from scratch ---
     Mutant(
         id="08-after-backward-not-averaged",
-        file="08_ddp_from_scratch/train.py",
+        file="08_ddp_from_scratch/grad_sync.py",
         find="grad *= 1 / dist.get_world_size()",
         replace="pass",
         claim="Every home-made synchronisation ends on DDP's weights: the mean, not the sum.",
@@ -347,7 +347,7 @@ MUTANTS = [
     ),
     Mutant(
         id="08-overlap-forgets-to-divide",
-        file="08_ddp_from_scratch/train.py",
+        file="08_ddp_from_scratch/grad_sync.py",
         find="torch.mul(param.grad, 1 / dist.get_world_size(), out=slot)",
         replace="slot.copy_(param.grad)",
         claim="Overlap and buckets end on DDP's weights: each gradient times 1/N as it is copied.",
@@ -356,7 +356,7 @@ MUTANTS = [
     ),
     Mutant(
         id="08-no-broadcast-from-rank-0",
-        file="08_ddp_from_scratch/train.py",
+        file="08_ddp_from_scratch/grad_sync.py",
         find="    broadcast_from_rank_0(model)\n",
         replace="",
         claim="Every rank starts from rank 0's weights, as DDP's constructor makes them.",
@@ -365,7 +365,7 @@ MUTANTS = [
     ),
     Mutant(
         id="08-buckets-in-forward-order",
-        file="08_ddp_from_scratch/train.py",
+        file="08_ddp_from_scratch/grad_sync.py",
         find="for name, param in reversed(list(model.named_parameters())):",
         replace="for name, param in model.named_parameters():",
         claim="Buckets fill in the order backward produces the gradients, as DDP's do.",
