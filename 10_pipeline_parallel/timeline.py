@@ -8,9 +8,13 @@ and backwards against the one its schedule defines. Nothing here trains: read it
 
 import statistics
 import time
+from collections import namedtuple
 
 import torch
 import torch.distributed as dist
+
+# One forward (F) or backward (B) of a stage: which micro-batch, and when it ran.
+Event = namedtuple("Event", "kind stage microbatch start end")
 
 
 class SimulatedCompute(torch.autograd.Function):
@@ -31,12 +35,12 @@ class SimulatedCompute(torch.autograd.Function):
 
 def simulate_compute(stage, stage_id, ms, events):
     """From now on, each forward and backward of stage sleeps ms per layer and is recorded in
-    events as [kind, stage, micro-batch, start, end] (the n-th F of a stage is micro-batch n)."""
+    events as an Event (the n-th F of a stage is micro-batch n)."""
     def record(kind, seconds):
         start = time.time()  # wall-clock time: the ranks' timestamps compare across processes
         time.sleep(seconds)
-        done = sum(e[0] == kind and e[1] == stage_id for e in events)
-        events.append([kind, stage_id, done, start, time.time()])
+        done = sum(e.kind == kind and e.stage == stage_id for e in events)
+        events.append(Event(kind, stage_id, done, start, time.time()))
 
     seconds = ms / 1000 * len(stage.layers)
     stage.register_forward_hook(lambda module, args, out: SimulatedCompute.apply(out, seconds,
@@ -67,16 +71,16 @@ def bubble_report(timelines, args):
     bubbles = []
     for step in range(1, len(timelines[0])):  # step 0 also sets the pipeline up: left out
         events = [e for rank in timelines for e in rank[step]]
-        wall = max(e[4] for e in events) - min(e[3] for e in events)
-        busy = sum(e[4] - e[3] for e in events)
+        wall = max(e.end for e in events) - min(e.start for e in events)
+        busy = sum(e.end - e.start for e in events)
         bubbles.append(1 - busy / (p * wall))  # idle share of p ranks over the step
     last = [rank[-1] for rank in timelines]
-    t0 = min(e[3] for events in last for e in events)
+    t0 = min(e.start for events in last for e in events)
     held = []
     for events in last:  # micro-batches whose activations a rank holds: F done, B not yet
         now = top = 0
-        for e in sorted(events, key=lambda e: e[3]):
-            now += 1 if e[0] == "F" else -1
+        for e in sorted(events, key=lambda e: e.start):
+            now += 1 if e.kind == "F" else -1
             top = max(top, now)
         held.append(top)
     return {
@@ -85,7 +89,7 @@ def bubble_report(timelines, args):
         "steps": len(bubbles),
         "formula": (p - 1) / (v * m + p - 1),
         "held": held,
-        "timeline": [[[e[0], e[1], e[2], e[3] - t0, e[4] - t0] for e in events]
+        "timeline": [[[e.kind, e.stage, e.microbatch, e.start - t0, e.end - t0] for e in events]
                      for events in last],
     }
 
@@ -111,7 +115,7 @@ def schedule_report(trainer, pp_rank):
     """On rank 0: the bubble of the first pipeline and each of its ranks' order, recorded
     (the last step's) and defined; None on the other ranks, which send theirs."""
     args = trainer.args
-    order = {"recorded": [f"{e[1]}{e[0]}{e[2]}" for e in trainer.timeline[-1]],
+    order = {"recorded": [f"{e.stage}{e.kind}{e.microbatch}" for e in trainer.timeline[-1]],
              "defined": defined_order(trainer.schedule, args.schedule, pp_rank, args.stages,
                                       args.microbatches)}
     everyone = [None] * dist.get_world_size()
