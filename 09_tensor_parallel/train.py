@@ -1,11 +1,12 @@
 """Lesson 09: tensor parallelism, for layers too large for one device, and 2-D with FSDP.
 
 Lesson 07's program, with each layer itself split across ranks (Megatron-LM's tensor
-parallelism): fc1's output columns dealt out over --tp ranks, fc2's input rows likewise, so each
-rank multiplies its own slice and one all-reduce puts fc2's output together. The ranks of a TP
-group read the same batches; --dp M groups of them train as data parallel, FSDP across the "dp"
-dimension of an M x N device mesh. TP alone takes one process's steps; 2-D takes DDP's steps on M
-ranks. The checkpoint is lesson 07's, sharded both ways, and loads into any --dp and --tp.
+parallelism), the idea that tensor_parallel.py holds (read it first): fc1's output columns dealt
+out over --tp ranks, fc2's input rows likewise, so each rank multiplies its own slice and one
+all-reduce puts fc2's output together. The ranks of a TP group read the same batches; --dp M
+groups of them train as data parallel, FSDP across the "dp" dimension of an M x N device mesh. TP
+alone takes one process's steps; 2-D takes DDP's steps on M ranks. The checkpoint is lesson 07's,
+sharded both ways, and loads into any --dp and --tp.
 
 Run it (each run its own --out-dir, or it resumes the finished checkpoint of the one before):
     python 09_tensor_parallel/train.py                                   # TP on 2 ranks
@@ -39,11 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -60,6 +58,13 @@ from guard_rails import (
     spawn_guard,
     start,
     started_by_torchrun,
+)
+from tensor_parallel import (
+    build_mesh,
+    count_collectives,
+    print_collectives,
+    show_who_reads_what,
+    split_model,
 )
 
 
@@ -235,84 +240,6 @@ class WineMLP(nn.Module):
         for layer in self.hidden:
             x = F.relu(layer(x))
         return self.fc2(x)
-
-
-def build_mesh(dp, tp, device, timeout):
-    """The dp x tp device mesh: row d holds the tp ranks of TP group d, column t the dp ranks
-    that hold the same slices. With 2 x 2: TP groups [0, 1] and [2, 3], DP groups [0, 2], [1, 3]."""
-    ranks = torch.arange(dp * tp).view(dp, tp)
-    groups = {}
-    # Every rank makes every group, in the same order, and keeps its own. Not init_device_mesh,
-    # which makes them with the 30-minute default timeout (new_group(timeout=None)), not --timeout.
-    for name, lines in (("dp", ranks.T), ("tp", ranks)):
-        for line in lines:
-            group = dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))
-            if dist.get_rank() in line:
-                groups[name] = group
-    return DeviceMesh.from_group([groups["dp"], groups["tp"]], device.type, mesh=ranks,
-                                 mesh_dim_names=("dp", "tp"))
-
-
-def tensor_parallel_plan(model):
-    """{layer: how it is split}: column-wise, then row-wise, pair after pair (Megatron-LM).
-
-    Column-wise: rank t holds rows t of the weight (nn.Linear's weight is out x in), so it
-    computes output columns t, from the whole input. Row-wise: rank t holds the matching input
-    columns, multiplies the output columns t the layer before left it, and gets a partial sum
-    of the whole output; an all-reduce adds them. The ReLU between them works column by column,
-    so nothing moves between the two layers of a pair."""
-    names = ["fc1", *(f"hidden.{i}" for i in range(len(model.hidden))), "fc2"]
-    return {name: RowwiseParallel() if i % 2 else ColwiseParallel() for i, name in enumerate(names)}
-
-
-def split_model(model, mesh):
-    """Tensor parallel across "tp", then FSDP across "dp": each rank keeps 1/(dp x tp)."""
-    if mesh["tp"].size() > 1:
-        # Each weight becomes a DTensor: this rank's slice, and on which ranks the others are.
-        # Every rank built the same model from the same seed, so each slice is the one it keeps.
-        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
-    if mesh["dp"].size() > 1:
-        # Lesson 07's FSDP, on the ranks that hold the same slices: it cuts each TP slice again,
-        # along dim 0, and averages the gradients over "dp". Each dp row reads its own batches.
-        for layer in (model.fc1, *model.hidden, model.fc2):
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    return model
-
-
-def count_collectives(comms):
-    """{"all-reduce": n, ...}: the collectives a CommDebugMode saw, by kind."""
-    counts = {}
-    for op, n in comms.get_comm_counts().items():
-        name = str(op).replace("_", "")  # c10d.allreduce_, c10d._allgather_base_, ...
-        kind = next((k for k in ("all-reduce", "all-gather", "reduce-scatter")
-                     if k.replace("-", "") in name), name)
-        counts[kind] = counts.get(kind, 0) + n
-    return counts
-
-
-def show_who_reads_what(rank, mesh, train_loader):
-    """Rank 0 prints the mesh and the first wines of each rank's first batch: the same in a row."""
-    first = list(train_loader.sampler)[:4]  # the sampler's order, which the loader follows
-    firsts = [None] * dist.get_world_size()
-    dist.all_gather_object(firsts, first)
-    if rank == 0:
-        for d, row in enumerate(mesh.mesh.tolist()):
-            print(f"TP group {d} (dp rank {d}): ranks {row} split each layer and read the same "
-                  "wines " + ", ".join(f"{firsts[r]}" for r in row), flush=True)
-
-
-def print_collectives(collectives, args):
-    """The first step's collectives on rank 0, beside what tensor parallelism predicts."""
-    def listed(counts):
-        return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) or "none"
-
-    pairs = (args.layers + 1) // 2 if args.tp > 1 else 0  # --layers + 1 linear layers, paired
-    print(f"collectives in one step, rank 0: forward {listed(collectives['forward'])} | "
-          f"backward {listed(collectives['backward'])}", flush=True)
-    print(f"tensor parallelism predicts: forward all-reduce {pairs} (one per row-wise layer) | "
-          f"backward all-reduce {max(pairs - 1, 0)} (one per column-wise layer but fc1)",
-          flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

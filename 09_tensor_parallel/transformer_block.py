@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from tensor_parallel import count_collectives
+
 # The same sums, added in another order: float32 rounds them ~1e-7 apart. Far below this.
 TOLERANCE = 1e-5
 
@@ -99,12 +101,11 @@ def tp_plan(between):
 
 
 def count(comm_mode):
-    """CommDebugMode's counts, per kind of collective."""
-    counts = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
-    for op, n in comm_mode.get_comm_counts().items():
-        for kind in counts:
-            counts[kind] += n if kind.replace("-", "_") in str(op) else 0
-    return ", ".join(f"{kind} {n}" for kind, n in counts.items())
+    """CommDebugMode's counts, per kind of collective (train.py's count_collectives), with 0
+    for each kind it did not see."""
+    counts = count_collectives(comm_mode)
+    return ", ".join(f"{kind} {counts.get(kind, 0)}"
+                     for kind in ("all-gather", "reduce-scatter", "all-reduce"))
 
 
 def full(tensor):

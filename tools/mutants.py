@@ -376,7 +376,7 @@ MUTANTS = [
     # --- lesson 09: tensor parallelism and 2-D ---
     Mutant(
         id="09-row-wise-without-all-reduce",
-        file="09_tensor_parallel/train.py",
+        file="09_tensor_parallel/tensor_parallel.py",
         find="RowwiseParallel() if i % 2",
         replace="RowwiseParallel(output_layouts=torch.distributed.tensor.Partial()) if i % 2",
         claim="TP on 2 ranks takes one process's steps: a row-wise layer all-reduces its sums.",
