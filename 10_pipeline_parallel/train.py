@@ -9,6 +9,7 @@ writes the simplest schedule by hand (afab: all forwards, then all backwards, wi
 then runs torch.distributed.pipelining's GPipe, 1F1B and interleaved 1F1B. Every schedule takes
 the steps of one process on the whole batch; --dp M pipelines take the steps of DDP on M ranks.
 --simulate-ms gives each layer a fixed compute time, so the bubble can be measured (timeline.py).
+The idea lives in pipeline.py: read it first.
 
 Run it (each run its own --out-dir, or it resumes the finished checkpoint of the one before):
     python 10_pipeline_parallel/train.py                                     # 1F1B, 2 stages
@@ -39,12 +40,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -62,11 +57,18 @@ from guard_rails import (
     start,
     started_by_torchrun,
 )
+from pipeline import (
+    IGNORE,
+    SCHEDULES,
+    afab_step,
+    average_gradients,
+    build_groups,
+    build_schedule,
+    layers_per_stage,
+    pad_batch,
+    split_model,
+)
 from timeline import print_schedule_report, schedule_report, simulate_compute
-
-# The library's schedules; "afab" is this lesson's own (afab_step).
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
-IGNORE = -100  # the target of a padding row: cross_entropy's ignore_index leaves it out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,127 +214,6 @@ class WineMLP(nn.Module):
         for layer in self.hidden:
             x = F.relu(layer(x))
         return self.fc2(x)
-
-
-def layer_names(model):
-    """The linear layers in the order the data goes through them: fc1, hidden.0, ..., fc2."""
-    return ["fc1", *(f"hidden.{i}" for i in range(len(model.hidden))), "fc2"]
-
-
-class Stage(nn.Module):
-    """Consecutive linear layers of the model, each followed by its ReLU, but for fc2's."""
-
-    def __init__(self, layers, last):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.last = last  # the last stage ends with fc2's logits: no ReLU after them
-
-    def forward(self, x):
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if not (self.last and i == len(self.layers) - 1):
-                x = F.relu(x)
-        return x
-
-
-def build_groups(dp, stages, timeout):
-    """Rank r is stage r % stages of pipeline r // stages. With --dp 2 --stages 2: pipelines
-    [0, 1] and [2, 3] (send and recv run along them), dp groups [0, 2] and [1, 3] (the ranks
-    that hold the same layers, whose gradients are averaged)."""
-    ranks = torch.arange(dp * stages).view(dp, stages)
-    groups = {}
-    # Every rank makes every group, in the same order, and keeps its own; each with --timeout.
-    for name, lines in (("dp", ranks.T), ("pp", ranks)):
-        for line in lines:
-            group = dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))
-            if dist.get_rank() in line:
-                groups[name] = group
-    return groups["pp"], groups["dp"]
-
-
-def split_model(model, stage_ids, num_stages):
-    """This rank's stages, as Stage modules; the model keeps only their layers.
-
-    The linear layers are dealt out in equal consecutive runs: with --layers 3 (4 linear layers)
-    and 2 stages, stage 0 is fc1 and hidden.0, stage 1 hidden.1 and fc2. The layers of other
-    ranks' stages become None, so the model's state dict holds this rank's layers under the
-    names of the whole model (fc1.weight, ...): the checkpoint's pieces fit together by name."""
-    names = layer_names(model)
-    per_stage = len(names) // num_stages
-    stages = []
-    for s in stage_ids:
-        layers = [model.get_submodule(n) for n in names[s * per_stage:(s + 1) * per_stage]]
-        stages.append(Stage(layers, last=s == num_stages - 1))
-    mine = {n for s in stage_ids for n in names[s * per_stage:(s + 1) * per_stage]}
-    for name in names:
-        if name not in mine:  # another rank's layer: drop it (nn.Module lets a child be None)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, None)
-    return stages
-
-
-# ---------------------------------------------------------------------------------------------
-# The pipeline: by hand, then the library
-# ---------------------------------------------------------------------------------------------
-def afab_step(stage, features, targets, microbatches, loss_fn, pp_group):
-    """One step of the simplest schedule, All Forwards then All Backwards (GPipe's order), by
-    hand: stage s receives each micro-batch's activations from stage s - 1 and sends its own
-    to stage s + 1; in backward, the gradients go the other way. Returns the last stage's
-    micro-batch losses (none elsewhere)."""
-    s, p = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    inputs, outputs, losses = [], [], []
-    for x, y in zip(features.chunk(microbatches), targets.chunk(microbatches), strict=True):
-        if s > 0:  # the previous stage's output, the same shape for every micro-batch
-            x = torch.empty(len(x), stage.layers[0].in_features, device=features.device)
-            dist.recv(x, group=pp_group, group_src=s - 1)
-            x.requires_grad_()  # its gradient is what this stage sends back
-        out = stage(x)
-        if s < p - 1:
-            dist.send(out.detach(), group=pp_group, group_dst=s + 1)
-        else:
-            out = loss_fn(out, y)  # only the last stage has the logits, so only it has a loss
-            losses.append(out.detach())
-        inputs.append(x)
-        outputs.append(out)  # kept, with its graph, until its backward: m micro-batches held
-    for x, out in zip(inputs, outputs, strict=True):
-        if s < p - 1:  # the gradient of this stage's output, computed by the next stage
-            grad = torch.empty_like(out)
-            dist.recv(grad, group=pp_group, group_src=s + 1)
-            out.backward(grad)
-        else:
-            out.backward()
-        if s > 0:
-            dist.send(x.grad, group=pp_group, group_dst=s - 1)
-    return losses
-
-
-def build_schedule(name, stages, stage_ids, num_stages, microbatches, loss_fn, device, pp_group):
-    """The library's schedule over this rank's PipelineStage(s)."""
-    pipeline_stages = [PipelineStage(stage, s, num_stages, device, group=pp_group)
-                       for stage, s in zip(stages, stage_ids, strict=True)]
-    # scale_grads=False: loss_fn already divides by the real rows of the whole batch, so the
-    # micro-batches' gradients add up to the batch's mean (the library's default, True, divides
-    # each micro-batch's by --microbatches: right only if every micro-batch is full).
-    one_or_all = pipeline_stages if name == "interleaved" else pipeline_stages[0]
-    return SCHEDULES[name](one_or_all, n_microbatches=microbatches, loss_fn=loss_fn,
-                           scale_grads=False)
-
-
-def pad_batch(features, labels, batch_size):
-    """Fill a short batch (the last of an epoch) to batch_size with rows whose target is IGNORE.
-
-    The library fixes the micro-batches' shapes at its first step, and a smaller batch would
-    stop the last stage ("Expected input batch_size (16) to match target batch_size (7)")."""
-    short = batch_size - len(labels)
-    features = torch.cat([features, features.new_zeros(short, features.shape[1])])
-    return features, torch.cat([labels, labels.new_full((short,), IGNORE)])
-
-
-def average_gradients(stages, dp_group):
-    """Across pipelines: each layer's gradient averaged with its copies (lesson 08's all-reduce)."""
-    for stage in stages:
-        for param in stage.parameters():
-            dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=dp_group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,11 +377,11 @@ def main(rank, local_rank, args):
     chunks = 2 if args.schedule == "interleaved" else 1
     # One stage per rank; interleaved: v = 2 smaller ones, stages r and r + p on rank r.
     stage_ids = [pp_rank + c * args.stages for c in range(chunks)]
+    plan = layers_per_stage(model, args.stages * chunks)  # before split_model drops layers
     stages = split_model(model, stage_ids, args.stages * chunks)
     if rank == 0:  # which layers each stage holds, and where: stage s on rank s % --stages
-        names, per = layer_names(model), (args.layers + 1) // (args.stages * chunks)
-        print("layers: " + " | ".join(f"stage {s} on rank {s % args.stages}: " + " ".join(
-            names[s * per:(s + 1) * per]) for s in range(len(names) // per)), flush=True)
+        print("layers: " + " | ".join(f"stage {s} on rank {s % args.stages}: " + " ".join(names)
+                                      for s, names in enumerate(plan)), flush=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, stages, stage_ids, train_loader, optimizer, device, args, rank,
                       pp_group, dp_group)

@@ -428,7 +428,7 @@ MUTANTS = [
     ),
     Mutant(
         id="10-1f1b-is-gpipe",
-        file="10_pipeline_parallel/train.py",
+        file="10_pipeline_parallel/pipeline.py",
         find='"1f1b": Schedule1F1B',
         replace='"1f1b": ScheduleGPipe',
         claim="1F1B runs p - s forwards, then a backward and a forward in turn: p - s held.",
@@ -439,7 +439,7 @@ MUTANTS = [
     ),
     Mutant(
         id="10-afab-backwards-reversed",
-        file="10_pipeline_parallel/train.py",
+        file="10_pipeline_parallel/pipeline.py",
         find="for x, out in zip(inputs, outputs, strict=True):",
         replace="for x, out in zip(inputs[::-1], outputs[::-1], strict=True):",
         claim="afab by hand runs GPipe's order and ends on its weights to the last bit.",
