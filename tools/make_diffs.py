@@ -8,8 +8,9 @@ docstring which lesson it builds on ("Lesson 02's program, now ..."), and is dif
 one, with no exceptions: lesson 05 builds on lesson 02, not on 04. The diff goes to
 NN_name/from_<base>.diff, which the lesson's README links (code hosts show it in colour) and its
 notebook prints, so what the learner reads is always what the code does. After train.py's diff
-come the lesson's own modules that train.py imports (08's grad_sync.py, 10's timeline.py), each
-diffed against the base's file of that name, or shown whole where the base has none. The guard
+come the lesson's own modules that train.py imports (08's grad_sync.py, 09's tensor_parallel.py,
+10's pipeline.py and timeline.py), each diffed against the base's file of that name, or shown
+whole where the base has none. The guard
 rails live in guard_rails.py, the same file in every lesson, so no diff shows them.
 """
 
