@@ -303,10 +303,10 @@ def main(rank, args):
     buckets = plan_buckets(trainer.plain_model, args.bucket_mb)
     report_grad_sync(trainer, args, samples_per_second, buckets)
     save_atomically(cpu_state_dict(trainer.plain_model), os.path.join(args.out_dir, "final.pt"))
-    measured = {"train_loss": losses, "test_correct": correct, "test_total": total,
-                "test_accuracy": correct / total, "samples_per_second": samples_per_second,
-                "train_seconds": train_seconds, "wall_seconds": time.time() - start}
-    save_atomically(run_settings(args, trainer, device, buckets) | measured,
+    results = {"train_loss": losses, "test_correct": correct, "test_total": total,
+               "test_accuracy": correct / total, "samples_per_second": samples_per_second,
+               "train_seconds": train_seconds, "wall_seconds": time.time() - start}
+    save_atomically(describe_run(args, trainer, device, buckets) | results,
                     os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
@@ -329,8 +329,9 @@ def report_grad_sync(trainer, args, samples_per_second, buckets):
               f"({trainer.steps}): no trace written", flush=True)
 
 
-def run_settings(args, trainer, device, buckets):
-    """What metrics.json records of the run besides its results: its flags and its averaging."""
+def describe_run(args, trainer, device, buckets):
+    """What metrics.json records of the run beside its results: the lesson, its settings and
+    its averaging."""
     return {
         "lesson": "08_ddp_from_scratch",
         "grad_sync": args.grad_sync,
