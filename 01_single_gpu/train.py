@@ -119,6 +119,14 @@ class WineMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+def build_model(args, device):
+    """The wine MLP, on this process's device."""
+    # Seed before building the model so the initial weights are the same on every run.
+    torch.manual_seed(args.seed)
+    model = WineMLP().to(device)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +195,7 @@ def main(args):
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed)
 
-    # Seed before building the model so the initial weights are the same on every run.
-    torch.manual_seed(args.seed)
-    model = WineMLP().to(device)
+    model = build_model(args, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir)
@@ -202,7 +208,18 @@ def main(args):
     correct, total = trainer.evaluate()
 
     save_atomically(cpu_state_dict(model), os.path.join(args.out_dir, "final.pt"))
-    metrics = {
+    results = {"train_loss": losses, "test_correct": correct, "test_total": total,
+               "test_accuracy": correct / total, "train_seconds": train_seconds,
+               "wall_seconds": time.time() - start}
+    save_atomically(describe_run(args, device) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+def describe_run(args, device):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
+    return {
         "lesson": "01_single_gpu",
         "world_size": 1,
         "backend": None,
@@ -211,16 +228,7 @@ def main(args):
         "batch_size": args.batch_size,
         "lr": args.lr,
         "seed": args.seed,
-        "train_loss": losses,
-        "test_correct": correct,
-        "test_total": total,
-        "test_accuracy": correct / total,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
     }
-    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
-    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-          f"| results in {args.out_dir}", flush=True)
 
 
 def parse_args(argv=None):

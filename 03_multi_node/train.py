@@ -177,6 +177,16 @@ class WineMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+def build_model(args, device):
+    """The wine MLP, on this rank's device, in DDP."""
+    # Seed before building the model so the initial weights are the same on every rank.
+    torch.manual_seed(args.seed)
+    model = WineMLP().to(device)
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
@@ -260,20 +270,12 @@ def main(rank, local_rank, args):
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
     # From here on only the global rank matters: it picked this rank's data, and rank 0 writes.
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP().to(device)
-    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = build_model(args, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size)
-
     if trainer.is_main_process:
-        print(f"rank = node_rank * {args.nproc_per_node} + local_rank:", flush=True)
-        for entry in ranks:
-            print(f"  rank {entry['rank']} = {entry['node_rank']} * {args.nproc_per_node} + "
-                  f"{entry['local_rank']}  (host {entry['host']})", flush=True)
+        print_rank_table(ranks, args)
         print(f"training on {args.world_size} x {device.type} ({args.backend}): "
               f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
               f"per rank ({args.batch_size * args.world_size} in all)", flush=True)
@@ -288,7 +290,27 @@ def main(rank, local_rank, args):
         return  # every rank holds the same results; rank 0 alone writes them
 
     save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
-    metrics = {
+    results = {"train_loss": losses, "test_correct": correct, "test_total": total,
+               "test_accuracy": correct / total, "train_seconds": train_seconds,
+               "wall_seconds": time.time() - start}
+    save_atomically(describe_run(args, device, ranks) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+
+def print_rank_table(ranks, args):
+    """Rank 0 shows every rank's global rank worked out from its node and local rank."""
+    print(f"rank = node_rank * {args.nproc_per_node} + local_rank:", flush=True)
+    for entry in ranks:
+        print(f"  rank {entry['rank']} = {entry['node_rank']} * {args.nproc_per_node} + "
+              f"{entry['local_rank']}  (host {entry['host']})", flush=True)
+
+
+def describe_run(args, device, ranks):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
+    return {
         "lesson": "03_multi_node",
         "world_size": args.world_size,
         "nnodes": args.nnodes,
@@ -302,16 +324,7 @@ def main(rank, local_rank, args):
         "lr": args.lr,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
-        "train_loss": losses,
-        "test_correct": correct,
-        "test_total": total,
-        "test_accuracy": correct / total,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
     }
-    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
-    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-          f"| results in {args.out_dir}", flush=True)
 
 
 def worker(local_rank, args):

@@ -190,6 +190,16 @@ class WineMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+def build_model(args, device):
+    """The wine MLP, on this rank's device, in DDP."""
+    # Seed before building the model so the initial weights are the same on every rank.
+    torch.manual_seed(args.seed)
+    model = WineMLP().to(device)
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
@@ -299,16 +309,38 @@ def main(rank, args):
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP().to(device)
-    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = build_model(args, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size)
     trainer.settings = run_settings(args)
 
+    done = resume(trainer, rank, args)  # the epochs a snapshot holds: 0 for a new run
+
+    if trainer.is_main_process and done < args.epochs:
+        print(f"training on {args.world_size} x {device.type} ({args.backend}): "
+              f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
+              f"per rank ({args.batch_size * args.world_size} in all)", flush=True)
+    train_start = time.perf_counter()
+    losses = trainer.train(args.epochs)
+    train_seconds = time.perf_counter() - train_start
+    correct, total = trainer.evaluate()
+    if not trainer.is_main_process:
+        return  # every rank holds the same results; rank 0 alone writes them
+
+    save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
+    results = {"train_loss": losses, "test_correct": correct, "test_total": total,
+               "test_accuracy": correct / total, "train_seconds": train_seconds,
+               "wall_seconds": time.time() - start}
+    save_atomically(describe_run(args, device, done) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+
+def resume(trainer, rank, args):
+    """Load the snapshot in --out-dir, if there is one; return the epochs it holds."""
     # Rank 0 alone decides whether to resume and tells the others: ranks deciding on their own
     # (a node with no copy, or an old one) could start at different epochs and wait forever.
     snapshot_file = snapshot_to_resume(rank, trainer.snapshot_path, args, WineMLP)
@@ -324,20 +356,12 @@ def main(rank, args):
     # --crash-at-epoch fails a new run once: not one that resumed, nor torchrun's restart of it.
     if done == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         trainer.crash_at_epoch = args.crash_at_epoch
+    return done
 
-    if trainer.is_main_process and done < args.epochs:
-        print(f"training on {args.world_size} x {device.type} ({args.backend}): "
-              f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
-              f"per rank ({args.batch_size * args.world_size} in all)", flush=True)
-    train_start = time.perf_counter()
-    losses = trainer.train(args.epochs)
-    train_seconds = time.perf_counter() - train_start
-    correct, total = trainer.evaluate()
-    if not trainer.is_main_process:
-        return  # every rank holds the same results; rank 0 alone writes them
 
-    save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
-    metrics = {
+def describe_run(args, device, done):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
+    return {
         "lesson": "04_checkpointing",
         "world_size": args.world_size,
         "launcher": "torchrun" if started_by_torchrun() else "spawn",
@@ -349,16 +373,7 @@ def main(rank, args):
         "lr": args.lr,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
-        "train_loss": losses,
-        "test_correct": correct,
-        "test_total": total,
-        "test_accuracy": correct / total,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
     }
-    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
-    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-          f"| results in {args.out_dir}", flush=True)
 
 
 def worker(rank, args):

@@ -196,6 +196,17 @@ class WineMLP(nn.Module):
         return self.fc2(hidden.to(self.dev1))
 
 
+def build_model(args, dev0, dev1):
+    """The wine MLP split over this rank's two devices, in DDP."""
+    # Seed before building the model so the initial weights are the same on every rank.
+    torch.manual_seed(args.seed)
+    model = WineMLP(dev0, dev1)
+    # No device_ids: they name the one device a module lives on, for DDP to move the inputs to.
+    # This module spans two and moves its own tensors, so DDP requires device_ids=None.
+    model = DDP(model)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
@@ -281,12 +292,7 @@ def main(rank, args):
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP(dev0, dev1)
-    # No device_ids: they name the one device a module lives on, for DDP to move the inputs to.
-    # This module spans two and moves its own tensors, so DDP requires device_ids=None.
-    model = DDP(model)
+    model = build_model(args, dev0, dev1)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size)
@@ -303,7 +309,19 @@ def main(rank, args):
         return  # every rank holds the same results; rank 0 alone writes them
 
     save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
-    metrics = {
+    results = {"train_loss": losses, "test_correct": correct, "test_total": total,
+               "test_accuracy": correct / total, "train_seconds": train_seconds,
+               "wall_seconds": time.time() - start}
+    save_atomically(describe_run(args, device, dev0, dev1) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+
+def describe_run(args, device, dev0, dev1):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
+    return {
         "lesson": "05_model_parallel_ddp",
         "world_size": args.world_size,
         "backend": args.backend,
@@ -314,16 +332,7 @@ def main(rank, args):
         "lr": args.lr,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
-        "train_loss": losses,
-        "test_correct": correct,
-        "test_total": total,
-        "test_accuracy": correct / total,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
     }
-    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
-    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-          f"| results in {args.out_dir}", flush=True)
 
 
 def worker(rank, args):

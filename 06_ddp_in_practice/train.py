@@ -186,6 +186,21 @@ class WineMLP(nn.Module):
         return self.fc2(F.relu(self.fc1(x)))
 
 
+def build_model(args, device):
+    """The wine MLP, on this rank's device, in DDP; compiled with --compile."""
+    # Seed before building the model so the initial weights are the same on every rank.
+    torch.manual_seed(args.seed)
+    model = WineMLP().to(device)
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile:
+        # Compile the DDP model, not the module inside: Dynamo's DDPOptimizer then splits the
+        # graph where DDP's gradient buckets end, so that each bucket's all-reduce can start
+        # while backward goes on (this MLP fits in one bucket). The first steps pay to compile.
+        model = torch.compile(model)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
@@ -299,16 +314,7 @@ def main(rank, args):
     train_loader = prepare_dataloader(train_set, args.batch_size * args.accumulate, args.seed,
                                       rank, args.world_size)
 
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP().to(device)
-    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.compile:
-        # Compile the DDP model, not the module inside: Dynamo's DDPOptimizer then splits the
-        # graph where DDP's gradient buckets end, so that each bucket's all-reduce can start
-        # while backward goes on (this MLP fits in one bucket). The first steps pay to compile.
-        model = torch.compile(model)
+    model = build_model(args, device)
     global_batch = args.batch_size * args.accumulate * args.world_size  # samples per step
     peak_lr = scaled_lr(args.lr, global_batch, args.scale_lr)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -316,7 +322,6 @@ def main(rank, args):
                       args.out_dir, rank, args.world_size, args.batch_size, args.precision,
                       args.clip_grad_norm,
                       lambda step: lr_at_step(step, args.lr, peak_lr, args.warmup_steps))
-
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}): "
               f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
@@ -334,9 +339,20 @@ def main(rank, args):
     samples_per_second = args.epochs * len(train_loader.sampler) * args.world_size / train_seconds
     print(f"{samples_per_second:.0f} samples/s over all ranks, {trainer.steps} optimizer steps",
           flush=True)
-
     save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
-    metrics = {
+    results = {"samples_per_second": samples_per_second, "train_loss": losses,
+               "test_correct": correct, "test_total": total, "test_accuracy": correct / total,
+               "train_seconds": train_seconds, "wall_seconds": time.time() - start}
+    save_atomically(describe_run(args, device, global_batch, trainer, grad_norms) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+
+def describe_run(args, device, global_batch, trainer, grad_norms):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
+    return {
         "lesson": "06_ddp_in_practice",
         "world_size": args.world_size,
         "backend": args.backend,
@@ -350,20 +366,9 @@ def main(rank, args):
         "lr_per_step": trainer.lrs,  # the warm-up and --scale-lr, as the optimizer got them
         "grad_scale": trainer.scaler.get_scale(),  # fp16's loss scale at the end; else 1
         "grad_norms": grad_norms,  # per rank: the global gradient's norm at every step
-        "samples_per_second": samples_per_second,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
-        "train_loss": losses,
-        "test_correct": correct,
-        "test_total": total,
-        "test_accuracy": correct / total,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
     }
-    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
-    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-          f"| results in {args.out_dir}", flush=True)
-
 
 def worker(rank, args):
     with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py

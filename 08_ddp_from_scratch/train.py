@@ -183,6 +183,15 @@ class WineMLP(nn.Module):
         return self.fc2(x)
 
 
+def build_model(args, device):
+    """The wine MLP, on this rank's device, and finish(), which averages its gradients."""
+    # Seed before building the model so the initial weights are the same on every rank.
+    torch.manual_seed(args.seed)
+    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
+    # The lesson (grad_sync.py): rank 0's weights to every rank, and the gradients averaged.
+    return make_grad_sync(model, args.grad_sync, args.bucket_mb)
+
+
 # ---------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------
@@ -278,11 +287,7 @@ def main(rank, args):
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
-    # The lesson (grad_sync.py): rank 0's weights to every rank, and the gradients averaged.
-    model, finish = make_grad_sync(model, args.grad_sync, args.bucket_mb)
+    model, finish = build_model(args, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size, finish, args.profile_step)

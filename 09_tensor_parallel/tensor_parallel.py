@@ -83,7 +83,11 @@ def show_who_reads_what(rank, mesh, train_loader):
 
 
 def print_collectives(collectives, args):
-    """The first step's collectives on rank 0, beside what tensor parallelism predicts."""
+    """The first step's collectives on rank 0, beside what tensor parallelism predicts (none: no
+    step was taken)."""
+    if not collectives:
+        return
+
     def listed(counts):
         return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) or "none"
 

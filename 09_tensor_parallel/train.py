@@ -382,16 +382,11 @@ class Trainer:
 # main
 # ---------------------------------------------------------------------------------------------
 def main(rank, local_rank, args):
-    start = args.start_time  # set by launch, before the ranks were started
     device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
     baseline = memory_baseline(device)  # before the model, so the peak covers all of training
     train_set, test_set = load_data()
     mesh = build_mesh(args.dp, args.tp, device, args.timeout)
-    # The sampler deals batches to the TP groups (by dp rank), not to the ranks: a TP group's
-    # ranks each compute a slice of the same samples, so they must read the same ones.
-    dp_rank = mesh["dp"].get_local_rank()
-    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
-    show_who_reads_what(rank, mesh, train_loader)
+    train_loader = loader_per_tp_group(train_set, mesh, rank, args)
 
     # Seed before building the model so the initial weights are the same on every rank.
     torch.manual_seed(args.seed)
@@ -400,21 +395,7 @@ def main(rank, local_rank, args):
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
                       args.out_dir, rank, args.world_size, mesh)
-
-    # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
-    # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
-    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
-    if checkpoint:
-        progress = trainer.load_checkpoint(checkpoint)
-        if trainer.is_main_process:
-            print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
-                  f"epochs done, written by --dp {progress['dp']} --tp {progress['tp']}, "
-                  f"loaded by --dp {args.dp} --tp {args.tp}", flush=True)
-    resumed_after_epoch = trainer.epochs_completed  # 0: this run started from scratch
-    if resumed_after_epoch == args.epochs and trainer.is_main_process:
-        print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
-              "train; raise --epochs to train on, or choose another --out-dir to start afresh",
-              flush=True)
+    resumed_after_epoch = resume(trainer, rank, args)  # 0: this run started from scratch
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
               f"x --tp {args.tp}, {len(train_set)} train / {len(test_set)} test wines, batch "
@@ -425,31 +406,84 @@ def main(rank, local_rank, args):
     # Before evaluating, which gathers layers again; a run that took no step has nothing to show.
     memory = trainer.memory_per_rank(baseline) if resumed_after_epoch < args.epochs else []
     correct, total = trainer.evaluate()
-    # The full, plain weights: gathered from every rank's shards (a collective, so every rank
-    # takes part), onto rank 0's CPU alone. They load into lesson 01's model.
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                   cpu_offload=True))
+    weights = gathered_weights(model)  # a collective: every rank takes part
     if not trainer.is_main_process:
         return  # rank 0 holds every result now; it alone writes them
 
     save_atomically(weights, os.path.join(args.out_dir, "final.pt"))
-    if trainer.collectives:
-        print_collectives(trainer.collectives, args)
-    if memory:
-        print(f"memory per rank (--dp {args.dp} --tp {args.tp}, hidden "
-              f"{args.hidden}), bytes held after the last step:", flush=True)
-        print(f"{'rank':>4} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-              f"{'peak':>12}", flush=True)
-        for r, row in enumerate(memory):
-            print(f"{r:>4} " + " ".join(f"{n:>12,}" if n >= 0 else f"{'n/a':>12}" for n in row),
-                  flush=True)
-    metrics = {
+    print_collectives(trainer.collectives, args)
+    print_memory(memory, f"--dp {args.dp} --tp {args.tp}, hidden {args.hidden}")
+    results = {"collectives_first_step": trainer.collectives, "train_loss": losses,
+               "test_correct": correct, "test_total": total, "test_accuracy": correct / total,
+               "train_seconds": train_seconds, "wall_seconds": time.time() - args.start_time,
+               "memory": memory_rows(memory)}
+    save_atomically(describe_run(args, device, resumed_after_epoch) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+
+def loader_per_tp_group(train_set, mesh, rank, args):
+    """The sampler deals batches to the TP groups (by dp rank), not to the ranks: a TP group's
+    ranks each compute a slice of the same samples, so they must read the same ones."""
+    dp_rank = mesh["dp"].get_local_rank()
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
+    show_who_reads_what(rank, mesh, train_loader)
+    return train_loader
+
+
+def resume(trainer, rank, args):
+    """Load the newest finished checkpoint in --out-dir, if any; return the epochs it holds."""
+    # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
+    # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
+    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
+    if checkpoint:
+        progress = trainer.load_checkpoint(checkpoint)
+        if trainer.is_main_process:
+            print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
+                  f"epochs done, written by --dp {progress['dp']} --tp {progress['tp']}, "
+                  f"loaded by --dp {args.dp} --tp {args.tp}", flush=True)
+    if trainer.epochs_completed == args.epochs and trainer.is_main_process:
+        print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
+              "train; raise --epochs to train on, or choose another --out-dir to start afresh",
+              flush=True)
+    return trainer.epochs_completed
+
+
+def gathered_weights(model):
+    """The full, plain weights: gathered from every rank's shards (a collective, so every rank
+    takes part), onto rank 0's CPU alone. They load into lesson 01's model."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def print_memory(memory, layout):
+    """Rank 0's table of the bytes each rank held after the last step (none: no step taken)."""
+    if not memory:
+        return
+    print(f"memory per rank ({layout}), bytes held after the last step:", flush=True)
+    print(f"{'rank':>4} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
+          f"{'peak':>12}", flush=True)
+    for r, row in enumerate(memory):
+        print(f"{r:>4} " + " ".join(f"{n:>12,}" if n >= 0 else f"{'n/a':>12}" for n in row),
+              flush=True)
+
+
+def memory_rows(memory):
+    """metrics.json's memory: one dict per rank."""
+    return [dict(zip(("parameters", "gradients", "optimizer_state", "peak"), row, strict=True))
+            for row in memory]
+
+
+def describe_run(args, device, resumed_after_epoch):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
+    return {
         "lesson": "09_tensor_parallel",
         "dp": args.dp,
         "tp": args.tp,
         "hidden": args.hidden,
         "layers": args.layers,
-        "collectives_first_step": trainer.collectives,
         "world_size": args.world_size,
         "launcher": args.launcher,
         "resumed_after_epoch": resumed_after_epoch,
@@ -460,20 +494,8 @@ def main(rank, local_rank, args):
         "lr": args.lr,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
-        "train_loss": losses,
-        "test_correct": correct,
-        "test_total": total,
-        "test_accuracy": correct / total,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
-        "memory": [dict(zip(("parameters", "gradients", "optimizer_state", "peak"), row,
-                            strict=True)) for row in memory],
         "peak_memory_measure": "cuda_max_allocated" if device.type == "cuda" else "max_rss",
     }
-    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
-    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-          f"| results in {args.out_dir}", flush=True)
-
 
 def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""

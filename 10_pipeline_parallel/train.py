@@ -362,44 +362,17 @@ class Trainer:
 # main
 # ---------------------------------------------------------------------------------------------
 def main(rank, local_rank, args):
-    start = args.start_time  # set by launch, before the ranks were started
     device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
     train_set, test_set = load_data()
     pp_group, dp_group = build_groups(args.dp, args.stages, args.timeout)
     pp_rank, dp_rank = dist.get_rank(pp_group), dist.get_rank(dp_group)  # stage, pipeline
-    # The sampler deals batches to the pipelines (by dp rank), not to the ranks: every stage of
-    # a pipeline works on the same samples, the first on their features, the last their labels.
-    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
-
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
-    chunks = 2 if args.schedule == "interleaved" else 1
-    # One stage per rank; interleaved: v = 2 smaller ones, stages r and r + p on rank r.
-    stage_ids = [pp_rank + c * args.stages for c in range(chunks)]
-    plan = layers_per_stage(model, args.stages * chunks)  # before split_model drops layers
-    stages = split_model(model, stage_ids, args.stages * chunks)
-    if rank == 0:  # which layers each stage holds, and where: stage s on rank s % --stages
-        print("layers: " + " | ".join(f"stage {s} on rank {s % args.stages}: " + " ".join(names)
-                                      for s, names in enumerate(plan)), flush=True)
+    train_loader = loader_per_pipeline(train_set, dp_rank, args)
+    model, stages, stage_ids = build_stages(args, device, pp_rank, rank)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, stages, stage_ids, train_loader, optimizer, device, args, rank,
                       pp_group, dp_group)
 
-    # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
-    # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
-    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
-    if checkpoint:
-        progress = trainer.load_checkpoint(checkpoint)
-        if trainer.is_main_process:
-            print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
-                  f"epochs done, written by --dp {progress['dp']} --stages {progress['stages']} "
-                  f"--schedule {progress['schedule']}", flush=True)
-    resumed_after_epoch = trainer.epochs_completed  # 0: this run started from scratch
-    if resumed_after_epoch == args.epochs and trainer.is_main_process:
-        print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
-              "train; raise --epochs to train on, or choose another --out-dir to start afresh",
-              flush=True)
+    resumed_after_epoch = resume(trainer, rank, args)  # 0: this run started from scratch
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
               f"x --stages {args.stages}, --schedule {args.schedule}, batch {args.batch_size} "
@@ -414,12 +387,68 @@ def main(rank, local_rank, args):
         return  # rank 0 holds every result now; it alone writes them
 
     save_atomically(model.state_dict(), os.path.join(args.out_dir, "final.pt"))
-    with torch.no_grad():  # the whole model, on rank 0's CPU, over every test wine
-        correct = int((model(test_set.features).argmax(dim=1) == test_set.labels).sum())
-    total = len(test_set)
+    correct, total = evaluate_whole(model, test_set)
     if report:
         print_schedule_report(report, args)
-    metrics = {
+    results = {"schedule_report": report, "train_loss": losses, "test_correct": correct,
+               "test_total": total, "test_accuracy": correct / total,
+               "train_seconds": train_seconds, "wall_seconds": time.time() - args.start_time}
+    save_atomically(describe_run(args, device, resumed_after_epoch) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+def loader_per_pipeline(train_set, dp_rank, args):
+    """The sampler deals batches to the pipelines (by dp rank), not to the ranks: every stage of
+    a pipeline works on the same samples, the first on their features, the last their labels."""
+    return prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
+
+
+def build_stages(args, device, pp_rank, rank):
+    """The model, with this rank's stages cut out of it: (model, stages, their stage ids)."""
+    # Seed before building the model so the initial weights are the same on every rank.
+    torch.manual_seed(args.seed)
+    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
+    chunks = 2 if args.schedule == "interleaved" else 1
+    # One stage per rank; interleaved: v = 2 smaller ones, stages r and r + p on rank r.
+    stage_ids = [pp_rank + c * args.stages for c in range(chunks)]
+    plan = layers_per_stage(model, args.stages * chunks)  # before split_model drops layers
+    stages = split_model(model, stage_ids, args.stages * chunks)
+    if rank == 0:  # which layers each stage holds, and where: stage s on rank s % --stages
+        print("layers: " + " | ".join(f"stage {s} on rank {s % args.stages}: " + " ".join(names)
+                                      for s, names in enumerate(plan)), flush=True)
+    return model, stages, stage_ids
+
+
+def resume(trainer, rank, args):
+    """Load the newest finished checkpoint in --out-dir, if any; return the epochs it holds."""
+    # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
+    # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
+    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
+    if checkpoint:
+        progress = trainer.load_checkpoint(checkpoint)
+        if trainer.is_main_process:
+            print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
+                  f"epochs done, written by --dp {progress['dp']} --stages {progress['stages']} "
+                  f"--schedule {progress['schedule']}", flush=True)
+    if trainer.epochs_completed == args.epochs and trainer.is_main_process:
+        print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
+              "train; raise --epochs to train on, or choose another --out-dir to start afresh",
+              flush=True)
+    return trainer.epochs_completed
+
+
+@torch.no_grad()
+def evaluate_whole(model, test_set):
+    """The whole model, on rank 0's CPU, over every test wine: (correct, total)."""
+    correct = int((model(test_set.features).argmax(dim=1) == test_set.labels).sum())
+    return correct, len(test_set)
+
+
+def describe_run(args, device, resumed_after_epoch):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
+    return {
         "lesson": "10_pipeline_parallel",
         "dp": args.dp,
         "stages": args.stages,
@@ -428,7 +457,6 @@ def main(rank, local_rank, args):
         "hidden": args.hidden,
         "layers": args.layers,
         "simulate_ms": args.simulate_ms,
-        "schedule_report": report,
         "world_size": args.world_size,
         "launcher": args.launcher,
         "resumed_after_epoch": resumed_after_epoch,
@@ -439,17 +467,7 @@ def main(rank, local_rank, args):
         "lr": args.lr,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
-        "train_loss": losses,
-        "test_correct": correct,
-        "test_total": total,
-        "test_accuracy": correct / total,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.time() - start,
     }
-    save_atomically(metrics, os.path.join(args.out_dir, "metrics.json"))
-    print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
-          f"| results in {args.out_dir}", flush=True)
-
 
 def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
