@@ -127,12 +127,7 @@ def run(rank, args):
     # Between blocks, with sequence parallelism: each rank's slice of the sequence (Shard(1)),
     # as the block before leaves it. Plain TP (Megatron-LM): all of it on every rank.
     between = Replicate() if args.control == "no-sequence-parallel" else Shard(1)
-
-    torch.manual_seed(0)  # the same seed: the same weights on every rank and in both blocks
-    reference = Block(args.dim, args.heads)
-    torch.manual_seed(0)
-    block = Block(args.dim, args.heads, global_heads=args.control == "global-heads")
-    parallelize_module(block, mesh, tp_plan(between))  # each rank keeps its slices
+    reference, block = build_blocks(args, mesh, between)
     torch.manual_seed(1)
     x = torch.randn(args.batch, args.seq, args.dim)  # the same input on every rank
     x_here = x.chunk(args.tp, dim=1)[rank] if between == Shard(1) else x
@@ -142,6 +137,35 @@ def run(rank, args):
     tokens = args.batch * args.seq
     reference_out = reference(x)
     (reference_out.pow(2).sum() / tokens).backward()
+    out, forward, backward = split_forward_backward(block, x_here, tokens, args, say)
+    out = DTensor.from_local(out, mesh, [between])  # this rank's part of the whole output
+    params = [(name, p, whole) for (name, p), whole in
+              zip(block.named_parameters(), reference.parameters(), strict=True)]
+    equal = compare(out, reference_out, params, say)
+    # Expected, Shard(1): forward all-gathers before attn and mlp (2) and reduce-scatters after
+    # o and w2 (2); backward the reverse (2 and 2). Replicate: 2 all-reduces each way. The
+    # LayerNorms' gradients stay partial sums until used (by full_tensor() in compare, or Adam).
+    say(f"collectives in forward: {count(forward)}")
+    say(f"collectives in backward: {count(backward)}")
+    show_one_adam_step(reference, block, params, args, say)
+    dist.destroy_process_group()
+    if not equal:
+        sys.exit(1)  # mp.spawn sees the exit code
+
+
+def build_blocks(args, mesh, between):
+    """The reference block, whole, and the block split over the ranks: the same weights."""
+    torch.manual_seed(0)  # the same seed: the same weights on every rank and in both blocks
+    reference = Block(args.dim, args.heads)
+    torch.manual_seed(0)
+    block = Block(args.dim, args.heads, global_heads=args.control == "global-heads")
+    parallelize_module(block, mesh, tp_plan(between))  # each rank keeps its slices
+    return reference, block
+
+
+def split_forward_backward(block, x_here, tokens, args, say):
+    """The split block's forward and backward: (its output, and the CommDebugModes that counted
+    the collectives of each)."""
     forward, backward = CommDebugMode(), CommDebugMode()  # they count the collectives
     try:
         with forward:
@@ -153,22 +177,23 @@ def run(rank, args):
         sys.exit(1)
     with backward:
         (out.pow(2).sum() / tokens).backward()
+    return out, forward, backward
 
-    out = DTensor.from_local(out, mesh, [between])  # this rank's part of the whole output
+
+def compare(out, reference_out, params, say):
+    """Whether the split block's output and gradients are the reference's, within TOLERANCE."""
     forward_diff, _ = largest_difference([("out", out, reference_out)])
-    params = [(name, p, whole) for (name, p), whole in
-              zip(block.named_parameters(), reference.parameters(), strict=True)]
     grad_diff, where = largest_difference((n, p.grad, whole.grad) for n, p, whole in params)
     equal = forward_diff < TOLERANCE and grad_diff < TOLERANCE
     say(f"forward: largest difference {forward_diff:.1e}")
     say(f"gradients: largest difference {grad_diff:.1e} ({where})")
     say(f"equal within {TOLERANCE:g}: {equal}")
-    # Expected, Shard(1): forward all-gathers before attn and mlp (2) and reduce-scatters after
-    # o and w2 (2); backward the reverse (2 and 2). Replicate: 2 all-reduces each way. The
-    # LayerNorms' gradients stay partial sums until used (by full_tensor() above, or Adam).
-    say(f"collectives in forward: {count(forward)}")
-    say(f"collectives in backward: {count(backward)}")
+    return equal
 
+
+def show_one_adam_step(reference, block, params, args, say):
+    """How one Adam step parts the two blocks: by about lr on the k bias, whose gradient is
+    rounding noise, and by rounding elsewhere."""
     # The k bias: adding b to every key adds q.b to all of a query's scores, which softmax
     # ignores. Its true gradient is 0; what is computed is rounding noise, unlike in each layout.
     noise = [full(m.attn.k.bias.grad).abs().max() for m in (reference, block)]
@@ -182,10 +207,6 @@ def run(rank, args):
         f"every other parameter by at most {rest_diff:.1e}")
     # So a test compares gradients, not weights after Adam, or leaves the k bias out (Llama's
     # k has none). SGD steps by lr * gradient: with it, k.bias ends equal here (measured).
-    dist.destroy_process_group()
-    if not equal:
-        sys.exit(1)  # mp.spawn sees the exit code
-
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
