@@ -299,7 +299,6 @@ def main(rank, local_rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-
 def print_rank_table(ranks, args):
     """Rank 0 shows every rank's global rank worked out from its node and local rank."""
     print(f"rank = node_rank * {args.nproc_per_node} + local_rank:", flush=True)

@@ -338,7 +338,6 @@ def main(rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-
 def resume(trainer, rank, args):
     """Load the snapshot in --out-dir, if there is one; return the epochs it holds."""
     # Rank 0 alone decides whether to resume and tells the others: ranks deciding on their own

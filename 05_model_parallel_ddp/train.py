@@ -318,7 +318,6 @@ def main(rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-
 def describe_run(args, device, dev0, dev1):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {

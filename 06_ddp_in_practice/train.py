@@ -349,7 +349,6 @@ def main(rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-
 def describe_run(args, device, global_batch, trainer, grad_norms):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {

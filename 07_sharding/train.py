@@ -436,7 +436,6 @@ def main(rank, local_rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-
 def resume(trainer, rank, args):
     """Load the newest finished checkpoint in --out-dir, if any; return the epochs it holds."""
     # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.

@@ -423,7 +423,6 @@ def main(rank, local_rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-
 def loader_per_tp_group(train_set, mesh, rank, args):
     """The sampler deals batches to the TP groups (by dp rank), not to the ranks: a TP group's
     ranks each compute a slice of the same samples, so they must read the same ones."""
