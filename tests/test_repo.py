@@ -82,6 +82,21 @@ def test_lint():
     assert result.returncode == 0, result.stdout
 
 
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda path: path.name)
+def test_each_step_of_a_lesson_reads_alone(lesson):
+    # main() shows the flow and every step is a named function of a screen or less; the module
+    # that holds a lesson's idea (08's grad_sync.py, ...) reads in one sitting.
+    tree = ast.parse((lesson / "train.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            length = node.end_lineno - node.lineno + 1
+            assert length <= 40, f"{lesson.name}/train.py: {node.name} has {length} lines"
+    for module in lesson.glob("*.py"):
+        lines = len(module.read_text().splitlines())
+        if module.name not in ("train.py", "guard_rails.py"):
+            assert lines <= 300, f"{lesson.name}/{module.name}: {lines} lines, over 300"
+
+
 @pytest.mark.parametrize("script", LESSON_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_lessons_stand_alone(script: Path):
     # A learner can copy one lesson folder and run it: no imports from another lesson, tests/
