@@ -78,7 +78,7 @@ CASES = [
     # together; a learner who also seeds each rank apart does not.
     Case("08", "08_ddp_from_scratch",
          (("    broadcast_from_rank_0(model)\n", ""),
-          ("torch.manual_seed(args.seed)", "torch.manual_seed(args.seed + rank)")),
+          ("torch.manual_seed(args.seed)", "torch.manual_seed(args.seed + dist.get_rank())")),
          "broadcast them from rank 0", "08-no-broadcast-ranks-seeded-apart"),
 ]
 LESSONS = {"02": "02_multi_gpu_spawn", "03": "03_multi_node", "04": "04_checkpointing",
