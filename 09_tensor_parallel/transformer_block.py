@@ -150,7 +150,7 @@ def run(rank, args):
     show_one_adam_step(reference, block, params, args, say)
     dist.destroy_process_group()
     if not equal:
-        sys.exit(1)  # mp.spawn sees the exit code
+        sys.exit(1)  # start_ranks sees the exit code
 
 
 def build_blocks(args, mesh, between):
@@ -234,6 +234,15 @@ def parse_args():
     return args
 
 
+def start_ranks(fn, args, nprocs):
+    """Lesson 02's start_ranks: mp.spawn(fn, args, nprocs), each rank forked from a server that
+    has imported this file, and with it torch and DTensor, once; spawn where fork is not safe."""
+    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
+        return mp.spawn(fn, args=args, nprocs=nprocs)
+    mp.set_forkserver_preload(["__main__"])  # this file and everything it imports
+    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def main():
     args = parse_args()
     with socket.socket() as sock:
@@ -241,7 +250,7 @@ def main():
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the ranks inherit it
     try:
-        mp.spawn(run, args=(args,), nprocs=args.tp)
+        start_ranks(run, (args,), args.tp)
     except mp.ProcessExitedException:
         sys.exit(1)  # a rank stopped: rank 0 has said why
 

@@ -1,6 +1,6 @@
 """Benchmark: what DDP buys on the hardware at hand, side by side with the alternatives.
 
-Lesson 02's set-up (mp.spawn, one process group, threads split between ranks, gloo on the CPU,
+Lesson 02's set-up (start_ranks, one process group, threads split between ranks, gloo on the CPU,
 NCCL with one GPU per rank), used to measure instead of to train. For each world size 1..N it
 trains two models for a fixed number of steps, warm-up excluded, and reports samples per second:
 the lesson's 13->64->3 wine MLP (which will not speed up) and a torchvision ResNet-18 on random
@@ -264,8 +264,8 @@ def initial_model(model_name):
     torch.manual_seed(0)  # the same initial weights on every rank
     if model_name == "wine-mlp":
         return WineMLP()
-    # Imported here, not at the top: every spawned rank imports this file again, and a run
-    # without ResNet-18 need not pay for torchvision's import in each of them.
+    # Imported here, not at the top: a run without ResNet-18 need not pay for torchvision's
+    # import (with it, start_ranks has the server import it once, for every rank).
     from torchvision.models import resnet18
 
     return resnet18(num_classes=10)  # 11.2 M parameters, 44.7 MB of fp32 gradients a step
@@ -726,11 +726,14 @@ def describe(case):
             f"({case['threads_per_rank']} thread(s)/rank, batch {case['batch_per_rank']}/rank)")
 
 
-def worker(rank, world_size, backend, cases, total, args, partial_path):
-    """What mp.spawn runs in each rank: build every case of this launch, run one untimed round of
+def worker(rank, world_size, backend, cases, total, args, partial_path, port):
+    """What start_ranks runs in each rank: build every case of this launch, run one untimed round of
     them, then measure them in rounds, one repeat of every case per round (the noise check's
     case all at once before the rounds and after them)."""
     failed = True  # until the last line of the work: then the group is destroyed, not aborted
+    # Where to meet, set here: a rank forked from the server has the environment the server
+    # started with, at the first world size, not the launcher's of this one.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         device = setup_process_group(rank, world_size, backend, args.timeout)
         if device.type == "cuda":
@@ -858,17 +861,27 @@ def worker(rank, world_size, backend, cases, total, args, partial_path):
     os._exit(0)
 
 
+def start_ranks(fn, args, nprocs, resnet):
+    """Lesson 02's start_ranks, not joined: nprocs ranks forked from one server that imported
+    this file (and with it torch) once, and kept for every world size of the run. Spawn
+    where there is no fork (Windows) or it is not the default (macOS), as lesson 02 says."""
+    if sys.platform != "linux":
+        return mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    # __main__: this file and all it imports; DDP's constructor imports torch._dynamo.
+    mp.set_forkserver_preload(["__main__", "torch._dynamo"] + ["torchvision.models"] * resnet)
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=False,
+                              start_method="forkserver")
+
+
 def run_world_size(world_size, backend, cases, total, args):
     """Start world_size ranks for these cases; wait for them, bounded; return their rows."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(find_free_port())
     partial_path = os.path.join(args.out_dir, f".rows-ws{world_size}.json")
     if os.path.exists(partial_path):
         os.remove(partial_path)
     print(f"world size {world_size}: starting {world_size} rank(s) ({backend}) for "
           f"{len(cases)} case(s), {args.repeats} round(s)", flush=True)
-    context = mp.spawn(worker, args=(world_size, backend, cases, total, args, partial_path),
-                       nprocs=world_size, join=False)
+    context = start_ranks(worker, (world_size, backend, cases, total, args, partial_path,
+                                   find_free_port()), world_size, resnet="resnet18" in args.models)
     # Every case's build and each of its repeats may take up to --timeout seconds; past that,
     # stop the ranks instead of hanging.
     deadline = time.monotonic() + args.timeout * (len(cases) * (args.repeats + 1) + 1)

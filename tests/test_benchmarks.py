@@ -366,8 +366,7 @@ def check(rank):
 def rank(r, ports):
     os.environ["MASTER_PORT"] = ports[0]
     check(r)
-    os.environ["MASTER_PORT"] = ports[1]
-    scaling.worker(r, 4, "gloo", cases, len(cases), args, partial)  # ends in os._exit(0)
+    scaling.worker(r, 4, "gloo", cases, len(cases), args, partial, ports[1])  # os._exit(0)
 
 
 os.environ["MASTER_ADDR"] = "127.0.0.1"
