@@ -33,7 +33,9 @@ def lesson_run(tmp_path_factory):
 
     The mutation check (tools/mutate.py) makes each mistake in a copy of its own and names the
     lesson it changed (LESSON_RUNS_MUTATED): the runs of every other lesson are the same in all
-    copies, so they are made once, in the folder it names (LESSON_RUNS_SHARED), for all."""
+    copies, so they are made once, in the folder it names (LESSON_RUNS_SHARED), for all. CI
+    names that folder for its pytest step too (no lesson is changed there: every run goes in
+    it), so that the mutation check finds those runs made."""
     root = shared_folder(tmp_path_factory) / "lesson_runs"
     root.mkdir(exist_ok=True)
     shared = os.environ.get("LESSON_RUNS_SHARED")
@@ -61,6 +63,19 @@ def lesson_run(tmp_path_factory):
         return result, folder / "out"
 
     return run
+
+
+def pytest_runtest_logreport(report):
+    """With PYTEST_OUTCOMES naming a file (CI's pytest step), add a line per test and phase to
+    it: `tests/file.py::test_name outcome`. The listings check reads it: a command that
+    INSTRUCTORS.md shows and a test runs as it stands passes when that test passed
+    (tools/check_listings.py, `same as tests/...`). Written by pytest-xdist's controller, or the
+    only process: its workers send it every report."""
+    path = os.environ.get("PYTEST_OUTCOMES")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER") and (
+            report.when == "call" or report.outcome != "passed"):
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid} {report.outcome}\n")
 
 
 # The longest test files first (seconds each took in one worker of a CI run): pytest-xdist's

@@ -488,3 +488,91 @@ def test_same_as_needs_the_very_command_in_a_file_the_check_runs(tmp_path):
     assert result.returncode == 1
     assert "README.md:1  ERROR  same as notes.md: not one of the files this check runs" \
         in result.stdout
+
+
+# A block marked `same as` a test file: the test that runs each command as it stands proves it.
+
+DEMO_TESTS = """\
+def run_demo(name):
+    ...
+
+
+def test_a():
+    run_demo("a.py")
+
+
+def test_b():
+    assert run_demo("b.py")
+"""
+
+
+def test_same_as_a_test_file_passes_or_fails_with_the_test_that_runs_it(tmp_path):
+    markdown = """\
+        <!-- listing: same as tests/test_troubleshooting.py -->
+        ```bash
+        python troubleshooting/a.py      # 10:00 (the demos do not exist: run, they would fail)
+        python troubleshooting/b.py
+        ```
+        """
+    outcomes = tmp_path / "outcomes"
+    outcomes.write_text("tests/test_troubleshooting.py::test_a passed\n"
+                        "tests/test_troubleshooting.py::test_b passed\n")
+    files = {"tests/test_troubleshooting.py": DEMO_TESTS}
+    result = check(tmp_path / "passed", markdown, "--pytest-outcomes", outcomes, files=files)
+    assert result.returncode == 0, result.stdout
+    assert "README.md:3  same as tests/test_troubleshooting.py::test_a" in result.stdout
+    assert "ok    as tests/test_troubleshooting.py::test_b" in result.stdout
+    # A test that failed (in its teardown, here), or did not run, fails its command.
+    outcomes.write_text("tests/test_troubleshooting.py::test_b passed\n"
+                        "tests/test_troubleshooting.py::test_b failed\n")
+    result = check(tmp_path / "failed", markdown, "--pytest-outcomes", outcomes, files=files)
+    assert result.returncode == 1, result.stdout
+    assert "FAIL  as tests/test_troubleshooting.py::test_a, which did not run" in result.stdout
+    assert "FAIL  as tests/test_troubleshooting.py::test_b, which ended failed" in result.stdout
+    # Without the outcomes of a pytest run, it cannot tell.
+    result = check(tmp_path / "alone", markdown, files=files)
+    assert result.returncode == 0, result.stdout
+    assert "not checked (no pytest outcomes" in result.stdout
+    # A command that no test runs as it stands is an error, not a pass.
+    for n, block in enumerate(["python troubleshooting/c.py", "python troubleshooting/a.py &",
+                               "python troubleshooting/a.py --fast"]):
+        result = check(tmp_path / str(n), f"""\
+            <!-- listing: same as tests/test_troubleshooting.py -->
+            ```bash
+            {block}
+            ```
+            """, "--list", files=files)
+        assert result.returncode == 1, result.stdout
+        assert ("README.md:3  ERROR  " in result.stdout and "is not a command that "
+                "tests/test_troubleshooting.py runs as it stands" in result.stdout), result.stdout
+
+
+def test_the_demo_tests_run_each_demo_as_the_guide_shows_it(monkeypatch):
+    # check_listings.TEST_COMMANDS reads run_demo("hang.py") as `python troubleshooting/hang.py`,
+    # run from the repository's root: so it must stay.
+    import test_troubleshooting
+
+    ran = []
+    monkeypatch.setattr(test_troubleshooting.subprocess, "run", lambda command, **kwargs: (
+        ran.append((command, kwargs["cwd"])) or subprocess.CompletedProcess(command, 0, "", "")))
+    test_troubleshooting.run_demo("hang.py")
+    assert ran == [([sys.executable, str(ROOT / "troubleshooting" / "hang.py")], ROOT)]
+
+
+def test_the_pytest_step_writes_each_tests_outcome(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from conftest import pytest_runtest_logreport
+
+    monkeypatch.setenv("PYTEST_OUTCOMES", str(tmp_path / "outcomes"))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    for when, outcome in [("setup", "passed"), ("call", "passed"), ("teardown", "failed"),
+                          ("setup", "skipped")]:
+        pytest_runtest_logreport(SimpleNamespace(nodeid="tests/t.py::test_x", when=when,
+                                                 outcome=outcome))
+    assert (tmp_path / "outcomes").read_text().splitlines() == [
+        "tests/t.py::test_x passed", "tests/t.py::test_x failed", "tests/t.py::test_x skipped"]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # a worker leaves it to the controller
+    pytest_runtest_logreport(SimpleNamespace(nodeid="tests/t.py::test_y", when="call",
+                                             outcome="passed"))
+    assert "test_y" not in (tmp_path / "outcomes").read_text()

@@ -45,6 +45,15 @@ follows, which this check enforces:
   file has run, each is reported ok or FAIL as its match in the named file was, or "not
   checked" when this run did not check that file (CI checks every file). A later command
   must not need what a skipped one did (a file written, a `cd`, an `export`): mark it too.
+- A block may instead name a test file that runs the same commands, as they stand, from the
+  repository's root (TEST_COMMANDS lists those files and how each names its commands):
+
+      <!-- listing: same as tests/test_troubleshooting.py -->
+
+  Each command must be one the file runs, plain (not in the background, no `# fails:`). It is
+  reported ok when the test that runs it passed in the pytest run whose outcomes --pytest-outcomes
+  names (CI's pytest step writes them: tests/conftest.py, PYTEST_OUTCOMES), FAIL when that test
+  failed, was skipped or did not run, and "not checked" without --pytest-outcomes.
 - A command is a line; a line ending in a backslash goes on to the next, a here-document
   (`python - <<'PY'` ... `PY`) belongs to the command that opens it, and so do the lines of an
   unfinished `if`, `for` or quote. A line that is only a comment is not run.
@@ -158,6 +167,18 @@ class Command:
     @property
     def where(self):
         return f"{self.path}:{self.line}"
+
+
+@dataclass
+class TestRun:
+    """A command that a test of a test file runs as it stands (TEST_COMMANDS)."""
+    path: str  # the test file, relative to the repository
+    test: str  # the test's name
+    script: str  # the command, as bash would run it
+
+    @property
+    def where(self):
+        return f"{self.path}::{self.test}"
 
 
 @dataclass
@@ -334,8 +355,11 @@ def parse(path, text, root=ROOT, resolve=True):
             expect_output(listing, start - 1, body, outputs.pop(start - 1, None), last_block)
         if language == "bash" and start - 1 in same_as:
             last_block = []  # its commands run elsewhere: no output shown here is theirs
-            if resolve:
-                match_elsewhere(listing, body, start, same_as[start - 1], root)
+            names = same_as[start - 1]
+            if resolve and names[0] in TEST_COMMANDS and len(names) == 1:
+                match_test(listing, body, start, names[0], root)
+            elif resolve:
+                match_elsewhere(listing, body, start, names, root)
         if language == "bash" and start - 1 not in marked:
             before = len(listing.commands)
             split_commands(path, body, start, listing)
@@ -351,6 +375,44 @@ def parse(path, text, root=ROOT, resolve=True):
         listing.errors.append((line - 1, "an output marker is the line right before a ```text "
                                "fence"))
     return listing
+
+
+# The test files that run some of the listed commands as they stand, from the repository's root:
+# for each, what in a test's code names a command, and that command. test_troubleshooting.py's
+# run_demo("hang.py") runs `python troubleshooting/hang.py` (its [sys.executable, path], cwd the
+# root; tests/test_listings.py checks that this stays so).
+TEST_COMMANDS = {
+    "tests/test_troubleshooting.py": (re.compile(r'\brun_demo\("(\w+\.py)"\)'),
+                                      "python troubleshooting/{}"),
+}
+
+
+def test_runs(name, root):
+    """The TestRun of each command that the test file name runs, in the order of its tests."""
+    pattern, command = TEST_COMMANDS[name]
+    runs, test = [], None
+    for line in (root / name).read_text().splitlines():
+        defined = re.match(r"def (test_\w+)\(", line)
+        test = defined.group(1) if defined else test
+        runs += [TestRun(name, test, command.format(found)) for found in pattern.findall(line)
+                 if test]
+    return runs
+
+
+def match_test(listing, body, first, name, root):
+    """Give each command of a block marked `same as name`, a test file, the test that runs it
+    as it stands (see the docstring), or an error."""
+    block = Listing(listing.path)
+    split_commands(listing.path, body, first, block)
+    listing.errors.extend(block.errors)
+    runs = {run.script: run for run in test_runs(name, root)}
+    for command in block.commands:
+        run = runs.get(command.script.strip())
+        if run and not command.background and not command.comment.startswith("fails:"):
+            listing.same_as.append((command, run))
+        else:
+            listing.errors.append((command.line, f"`{command.shown.strip()}` is not a command "
+                                   f"that {name} runs as it stands; run it here"))
 
 
 def match_elsewhere(listing, body, first, names, root):
@@ -683,16 +745,41 @@ def report(result, failed, checked=None, say=print):
         say(indent("\n".join(tail), "    | ") if tail else "    (no output)")
 
 
-def report_same_as(same_as, checked, files):
+def read_outcomes(path):
+    """{test id: outcomes} from the file that tests/conftest.py writes (PYTEST_OUTCOMES): a line
+    per test and phase, `tests/file.py::test_name[parameters] outcome`."""
+    outcomes = {}
+    for line in Path(path).read_text().splitlines():
+        nodeid, outcome = line.rsplit(" ", 1)
+        outcomes.setdefault(nodeid.split("[")[0], set()).add(outcome)
+    return outcomes
+
+
+def test_verdict(run, outcomes):
+    """The verdict of a command a test runs: ok if every phase of that test passed."""
+    if outcomes is None:
+        return None, "not checked (no pytest outcomes: --pytest-outcomes, as CI gives)"
+    seen = outcomes.get(run.where, set())
+    if seen == {"passed"}:
+        return True, f"ok    as {run.where}"
+    return False, f"FAIL  as {run.where}, which " + (
+        f"ended {', '.join(sorted(seen - {'passed'}))}" if seen else "did not run")
+
+
+def report_same_as(same_as, checked, files, outcomes=None):
     """After every file ran: print each command marked `same as` with the verdict of its match
-    (see the docstring), and return how many failed."""
+    (see the docstring), and return how many failed. outcomes: read_outcomes's, or None."""
     if not same_as:
         return 0
-    print(f"== the commands marked the same as another file's: {len(same_as)}", flush=True)
+    print(f"== the commands marked the same as another file's or a test's: {len(same_as)}",
+          flush=True)
     failed = 0
     for command, original in same_as:
         result = checked.get(original.where)
-        if original.path not in files:
+        if isinstance(original, TestRun):
+            ok, verdict = test_verdict(original, outcomes)
+            failed += ok is False
+        elif original.path not in files:
             verdict = f"not checked (this run does not check {original.path})"
         elif result and result.ok:
             verdict = f"ok    as {original.where}"
@@ -865,6 +952,10 @@ def main(argv=None):
                         help="how many files run at a time (default: 2): the longest first, and "
                         "never two that use the same fixed port; 1 runs them one after another, "
                         "in order")
+    parser.add_argument("--pytest-outcomes", type=Path,
+                        help="the file of test outcomes that CI's pytest step wrote "
+                        "(PYTEST_OUTCOMES): a command marked the same as a test file's passes "
+                        "or fails with the test that runs it")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be at least 1")
@@ -892,7 +983,8 @@ def main(argv=None):
         checked = {}  # every command's result, by its file:line
         outcomes = run_files(root, listings, args.timeout, args.jobs, checked)
         failures = sum(failed for failed, _ in outcomes)
-        failures += report_same_as(same_as, checked, files)
+        tests = read_outcomes(args.pytest_outcomes) if args.pytest_outcomes else None
+        failures += report_same_as(same_as, checked, files, tests)
         print("file                                    commands  failed     time")
         for listing, (failed, seconds) in zip(listings, outcomes, strict=True):
             print(f"{listing.path:<40} {len(listing.commands):>8} {failed:>7} "
