@@ -13,7 +13,8 @@ failed; "SURVIVED" when they all passed, so the claim has no proof; "stale" when
 replace is not in the file exactly once; "error" when pytest could not run the tests (exit 2 to
 5: the mistake broke the file, or a test name is wrong) or they ran past the time limit. Exit
 status 1 unless all are caught. A lesson run that the tests make of a lesson the mistake leaves
-alone (tests/conftest.py's lesson_run) is made once, for every mistake that needs it.
+alone (tests/conftest.py's lesson_run) is made once, for every mistake that needs it, or not at
+all when LESSON_RUNS_SHARED names the folder of a test run that made it (CI's pytest step).
 Two mistakes at a time (--jobs); in CI's last step (CI_SLOTS set, tools/ci_slots.py) each also
 waits for one of the two slots it shares with the listings check and the exercises' tests.
 """
@@ -137,7 +138,11 @@ def check_all(root, mutants, timeout, jobs):
     # Stopped from outside (a cancelled CI job), end as Ctrl-C does, with every test run.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     counts = {}
-    with tempfile.TemporaryDirectory(prefix="mutants-shared-runs-") as shared_runs, \
+    # CI's pytest step has made the runs of the unchanged lessons already, in the folder that
+    # LESSON_RUNS_SHARED names: the same code, so the same runs, not made again here.
+    given = os.environ.get("LESSON_RUNS_SHARED")
+    with (contextlib.nullcontext(given) if given else
+          tempfile.TemporaryDirectory(prefix="mutants-shared-runs-")) as shared_runs, \
             ThreadPoolExecutor(jobs) as pool:
         try:
             for done in as_completed([pool.submit(timed, m) for m in mutants]):
