@@ -45,9 +45,13 @@ class AfterTorch(importlib.abc.MetaPathFinder):
 
 
 def part(name):
-    """Where a record is written before it is renamed to name: a process killed while writing
+    """Where a record is written before done(name) renames it: a process killed while writing
     (a launcher stops its other ranks when one fails) leaves a .part file, never half a record."""
     return os.path.join(OUT, name + ".part")
+
+
+def done(name):
+    os.replace(part(name), os.path.join(OUT, name))
 
 
 def record(torch):
@@ -125,7 +129,7 @@ def record(torch):
                  "world_size": kwargs.get("world_size", int(os.environ.get("WORLD_SIZE", -1)))}
         with open(part(f"{log['pid']}.json"), "w") as f:
             json.dump(asked, f)
-        os.replace(f.name, f.name[:-len(".part")])
+        done(f"{log['pid']}.json")
         real_init(*args, **kwargs)
         log["rank"], log["world_size"] = dist.get_rank(), dist.get_world_size()
 
@@ -136,7 +140,7 @@ def record(torch):
             return  # a launcher: it trained nothing
         log["layers"] = sorted(log["layers"])
         real_save(log, part(f"{log['pid']}.pt"))
-        os.replace(part(f"{log['pid']}.pt"), os.path.join(OUT, f"{log['pid']}.pt"))
+        done(f"{log['pid']}.pt")
 
     atexit.register(write)
     real_exit = os._exit
