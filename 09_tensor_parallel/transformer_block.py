@@ -173,6 +173,10 @@ def split_forward_backward(block, x_here, tokens, args, say):
     except RuntimeError as error:  # on every rank alike, so none is left waiting for another
         say(f"forward of the split block failed: {error} "
             f"(each rank holds {args.heads // args.tp} of the {args.heads} heads)")
+        # No rank leaves before rank 0 has said why: the launcher stops the others as soon as
+        # one exits non-zero, and a rank 0 stopped before it printed would leave no reason.
+        sys.stdout.flush()
+        dist.barrier()
         dist.destroy_process_group()
         sys.exit(1)
     with backward:

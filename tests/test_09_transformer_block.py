@@ -83,6 +83,7 @@ def test_the_head_count_hard_coded_in_view_fails(runs):
 def test_a_tp_that_does_not_divide_the_heads_stops_in_one_line(monkeypatch):
     # The check the script makes in parse_args, before any rank starts (sys.exit with the line;
     # the README runs `transformer_block.py --tp 3` as a learner does, in the listings check).
+    monkeypatch.syspath_prepend(str(ROOT / "09_tensor_parallel"))  # its tensor_parallel.py
     spec = importlib.util.spec_from_file_location("transformer_block", ROOT / SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
