@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -206,15 +207,42 @@ def test_the_ranks_are_forked_from_a_server_that_imported_torch_once(tmp_path):
     # to the processes it starts. With spawn, torch is imported by the launcher and again by each
     # of the 3 ranks, scikit-learn and torch._dynamo (DDP's) by each rank; forked from the
     # server, every one of them once more in the server alone, and never in a rank.
-    result = subprocess.run([sys.executable, "-X", "importtime", str(ROOT / LESSON / "train.py"),
-                             *CPU, "--world-size", "3", "--epochs", "1", "--out-dir", tmp_path],
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    imported = re.findall(r"^import time:.*\|\s*(torch|sklearn|torch\._dynamo)$", result.stderr,
+    mark = f"course-test-{os.getpid()}-{tmp_path.name}"
+    with open(tmp_path / "stdout", "w+") as out, open(tmp_path / "stderr", "w+") as err:
+        launcher = subprocess.Popen([sys.executable, "-X", "importtime",
+                                     str(ROOT / LESSON / "train.py"), *CPU, "--world-size", "3",
+                                     "--epochs", "1", "--out-dir", tmp_path / "run"],
+                                    stdout=out, stderr=err, text=True,
+                                    env={**os.environ, "COURSE_TEST_MARK": mark})
+        # The launcher has exited: its fork server is gone too (guard_rails.leave_quickly), not
+        # still tearing its torch down for a second or more, with the launcher's output open.
+        launcher.wait(timeout=240)
+        deadline = time.monotonic() + 0.5
+        while (servers := fork_servers_marked(mark)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert not servers, "the fork server outlived the launcher"
+    imported = re.findall(r"^import time:.*\|\s*(torch|sklearn|torch\._dynamo)$", stderr,
                           re.MULTILINE)
     assert {name: imported.count(name) for name in set(imported)} == {
         "torch": 2, "sklearn": 1, "torch._dynamo": 1}
-    assert "test accuracy:" in result.stdout
+    assert "test accuracy:" in stdout
+
+
+def fork_servers_marked(mark):
+    """The live fork servers (not zombies) whose environment holds COURSE_TEST_MARK=mark."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline, \
+                    open(f"/proc/{pid}/environ", "rb") as environ:
+                if b"multiprocessing.forkserver" in cmdline.read() and \
+                        f"COURSE_TEST_MARK={mark}".encode() in environ.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
 
 
 def test_a_long_tmpdir_still_starts_the_ranks(tmp_path):

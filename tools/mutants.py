@@ -58,6 +58,17 @@ MUTANTS = [
                "test_the_printed_loss_is_the_mean_over_every_rank",),
     ),
     Mutant(
+        id="02-fork-server-outlives-the-launcher",
+        file="02_multi_gpu_spawn/guard_rails.py",
+        find="os.kill(pid, signal.SIGTERM)  # a later start_ranks starts a new one",
+        replace="pass  #",
+        claim="The fork server ends with the launcher, not seconds after it.",
+        readme="02_multi_gpu_spawn/README.md#ranks-started-by-mpspawn",
+        tests=("tests/test_02_multi_gpu_spawn.py::"
+               "test_the_ranks_are_forked_from_a_server_that_imported_torch_once",),
+        kind="refactor",
+    ),
+    Mutant(
         id="02-ranks-spawned",
         file="02_multi_gpu_spawn/train.py",
         find='mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")',
