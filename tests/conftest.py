@@ -78,9 +78,14 @@ def pytest_runtest_logreport(report):
             f.write(f"{report.nodeid} {report.outcome}\n")
 
 
-# The longest test files first (seconds each took in one worker of a CI run): pytest-xdist's
-# --dist loadfile gives each worker whole files in this order, so the last to start are short
-# and both workers end together. A file not named here comes after these, in pytest's order.
+# The longest test files first (seconds each took in one worker of a CI run). pytest-xdist
+# then hands out its units of work (whole files with --dist loadfile, groups with loadgroup)
+# ordered by their number of tests, its default (--loadscope-reorder, xdist/scheduler/
+# loadscope.py), and keeps this order only among units of as many tests: in CI's last step,
+# among its units of one test, the four notebook lines (70 to 160 s each) come first. In the
+# pytest step, xdist's own order already ends both workers together: in a run of the README's
+# test command on the 2-core machine (2026-11-28), at 1,216 and 1,198 s, where the files' 2,413
+# seconds split evenly would end at 1,207.
 LONGEST_FIRST = ["test_notebooks.py", "test_04_checkpointing.py", "test_07_sharding.py",
                  "test_03_multi_node.py", "test_benchmarks.py", "test_10_pipeline_parallel.py",
                  "test_08_ddp_from_scratch.py", "test_06_ddp_in_practice.py",
