@@ -1,10 +1,14 @@
 """What the tests share: running a lesson the way a learner does and reading what it wrote."""
 
+import atexit
 import contextlib
+import fcntl
 import importlib.util
 import json
 import math
 import os
+import random
+import select
 import shutil
 import signal
 import socket
@@ -16,7 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+import sklearn  # noqa: F401 - it sets KMP_* in os.environ on import, as in every lesson's process:
+import torch  # set here, before a lesson runner copies the environment (LessonRunner)
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count()
@@ -37,18 +42,144 @@ def lesson02_run(lesson_run, world_size):
                       *LESSON02_RUNS[world_size])
 
 
-def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None):
+def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None, fresh=False):
     """Run `python <lesson>/train.py args...` as a subprocess and return the finished process.
 
-    With patch, the lesson runs under tests/patched_lesson.py with that patch applied."""
+    With patch, the lesson runs under tests/patched_lesson.py with that patch applied. A plain
+    run of a lesson that forks its ranks (no patch, env or cwd of its own, fresh False) goes to
+    the lesson's runner (tests/lesson_runner.py): the same script, exit status and output, from
+    a Python that has imported torch and started the fork server once for all such runs."""
     script = str(ROOT / lesson / "train.py")
     command = [sys.executable, script, *map(str, args)]
+    if lesson in SHARED_STARTS and not (patch or env or cwd or fresh):
+        return LessonRunner.for_lesson(script).run(command, timeout)
     if patch:
         command = [sys.executable, str(ROOT / "tests" / "patched_lesson.py"), script, patch,
                    *map(str, args)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(command, cwd=cwd or ROOT, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+# The lessons whose launcher forks its ranks from a server (lesson 02's start_ranks) and sets
+# nothing of its own in the environment but MASTER_ADDR and MASTER_PORT: lesson 01 trains in its
+# one process, and lesson 03 takes its port from its flags.
+SHARED_STARTS = {"02_multi_gpu_spawn", "04_checkpointing", "05_model_parallel_ddp",
+                 "06_ddp_in_practice", "07_sharding", "08_ddp_from_scratch",
+                 "09_tensor_parallel", "10_pipeline_parallel"}
+
+
+class LessonRunner:
+    """One tests/lesson_runner.py process: the plain runs of one lesson, one after another.
+
+    Each of this Python's runners is kept for the next run of its lesson, two at most (each
+    holds torch twice, in itself and in its fork server), and only while the environment is
+    the one it started with. Its stdout and stderr are files, appended to by the runner, its
+    fork server and every rank: a run's output is what they grew by while it ran."""
+
+    running = {}  # script -> LessonRunner, the most recently used last
+
+    @classmethod
+    def for_lesson(cls, script):
+        runner = cls.running.pop(script, None)
+        if runner and runner.environment != environment():
+            runner.close()  # a test changed the environment: a new runner starts in it
+            runner = None
+        runner = runner or cls(script)
+        cls.running[script] = runner
+        while len(cls.running) > 2:
+            cls.running.pop(next(iter(cls.running))).close()
+        return runner
+
+    def __init__(self, script):
+        self.environment = environment()
+        self.port, self.port_lock = reserve_port()
+        self.folder = tempfile.mkdtemp(prefix="lesson-runner-")
+        self.outputs = [os.open(os.path.join(self.folder, name),
+                                os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+                        for name in ("stdout", "stderr")]
+        requests_read, self.requests = os.pipe()
+        self.answers, answers_write = os.pipe()
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "lesson_runner.py"), str(requests_read),
+             str(answers_write), script],
+            cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.outputs[0], stderr=self.outputs[1],
+            pass_fds=(requests_read, answers_write), start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(self.port)})
+        os.close(requests_read)
+        os.close(answers_write)
+        self.answer_lines = os.fdopen(self.answers, "r")
+
+    def run(self, command, timeout):
+        """subprocess.run(command, capture_output=True, text=True, timeout=timeout), here."""
+        sizes = [os.fstat(fd).st_size for fd in self.outputs]
+        os.write(self.requests, (json.dumps(command[2:]) + "\n").encode())
+        ready, _, _ = select.select([self.answers], [], [], timeout)
+        line = self.answer_lines.readline() if ready else None
+        if not line:  # it ran past the timeout (None), or the runner itself ended ("")
+            if line is None:
+                os.killpg(self.process.pid, signal.SIGKILL)  # the runner, its server, ranks
+                deadline = time.monotonic() + 10  # each ends once the kernel has delivered it
+                while live_processes_in_group(self.process.pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            self.process.wait()
+        stdout, stderr = (os.pread(fd, os.fstat(fd).st_size - size, size)
+                          .decode().replace("\r\n", "\n").replace("\r", "\n")
+                          for fd, size in zip(self.outputs, sizes, strict=True))
+        if not line:
+            del self.running[command[1]]
+            self.close()
+        if line is None:
+            raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)
+        code = int(line) if line else self.process.returncode
+        return subprocess.CompletedProcess(command, code, stdout, stderr)
+
+    def close(self):
+        os.close(self.requests)  # the runner reads the end of its requests, and leaves
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self.answer_lines.close()
+        for fd in self.outputs:
+            os.close(fd)
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.port_lock.close()
+
+
+def environment():
+    """This Python's environment, less the name of the test that pytest keeps in it."""
+    return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
+
+
+def reserve_port():
+    """A port for a runner's ranks to meet at, and a lock that keeps it this runner's.
+
+    Below the range the system hands out when a program asks for any free port (32768 and up
+    on Linux), so a test's free_port() never picks it; and locked, so no other runner does."""
+    while True:
+        port = random.randrange(10000, 20000)
+        lock = open(os.path.join(tempfile.gettempdir(), f"lesson-runner-port-{port}.lock"), "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("", port))
+                return port, lock
+            except OSError:
+                lock.close()
+
+
+@atexit.register
+def close_runners():
+    while LessonRunner.running:
+        LessonRunner.running.popitem()[1].close()
 
 
 def check_ok(result):
