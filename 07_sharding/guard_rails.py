@@ -115,11 +115,12 @@ def start(entry, parse, torchrun_ok):
     except SystemExit as stop:
         # torchrun runs one copy per rank, and each would print the same line: rank 0 says it.
         if started_by_torchrun() and os.environ.get("RANK") != "0" and stop.code:
-            if not checked:
-                # Every rank fails these checks alike, and torchrun stops the others once one
-                # has left (torch/distributed/elastic/agent/server/api.py, _invoke_run): a rank
-                # that left first could stop rank 0 before its line. So this one waits, and
-                # rank 0's exit ends the wait (a rank on another node's waits at most 10 s).
+            if not checked or isinstance(stop.code, str):
+                # Every rank fails these checks, and the launcher's own (fail: a line, before
+                # the ranks meet), alike, and torchrun stops the others once one has left
+                # (torch/distributed/elastic/agent/server/api.py, _invoke_run): a rank that left
+                # first could stop rank 0 before its line. So this one waits, and rank 0's exit
+                # ends the wait (a rank on another node's waits at most 10 s).
                 time.sleep(10)
             sys.exit(1)
         raise
