@@ -36,6 +36,9 @@ from helpers import (
 LESSON = "09_tensor_parallel"
 CPU = ["--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
 TOLERANCE = 1e-6
+# Three pairs of layers: float32's rounding grows with depth and Adam's steps (6.9e-6 measured on
+# a CPU with AVX-512, the README's proof), still a thousand times below one wrong step (lr, 1e-2).
+DEEP_TOLERANCE = 1e-5
 TP = ["--dp", 1, "--tp", 2, "--batch-size", 32]  # lesson 02's 1-rank run: batch 32
 TWO_D = ["--dp", 2, "--tp", 2, "--batch-size", 16]  # lesson 02's 2-rank run: 2 x 16
 
@@ -101,7 +104,7 @@ def test_deeper_pairs_take_lesson_08s_steps(lesson_run):
                         "--layers", 3, "--epochs", 2)
     assert sorted(load_weights(deep)) == sorted(load_weights(one))
     assert "hidden.1.weight" in load_weights(deep)
-    assert max_weight_difference(deep, one) < TOLERANCE
+    assert max_weight_difference(deep, one) < DEEP_TOLERANCE
 
 
 @pytest.mark.parametrize("run, held", [(TP, [2188, 2188]), (TWO_D, [1160, 1160, 1028, 1028])])
