@@ -2,12 +2,10 @@
 
 import atexit
 import contextlib
-import fcntl
 import importlib.util
 import json
 import math
 import os
-import random
 import select
 import shutil
 import signal
@@ -22,6 +20,7 @@ from pathlib import Path
 import pytest
 import sklearn  # noqa: F401 - it sets KMP_* in os.environ on import, as in every lesson's process:
 import torch  # set here, before a lesson runner copies the environment (LessonRunner)
+from lesson_runner import SHARED_STARTS  # the lessons whose plain runs share one Python
 
 ROOT = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count()
@@ -61,13 +60,6 @@ def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None, fresh
                           text=True, timeout=timeout)
 
 
-# The lessons whose launcher forks its ranks from a server (lesson 02's start_ranks) and sets
-# nothing of its own in the environment but MASTER_ADDR and MASTER_PORT: lesson 01 trains in its
-# one process, and lesson 03 takes its port from its flags.
-SHARED_STARTS = {"02_multi_gpu_spawn", "04_checkpointing", "05_model_parallel_ddp",
-                 "06_ddp_in_practice", "07_sharding", "08_ddp_from_scratch",
-                 "09_tensor_parallel", "10_pipeline_parallel"}
-
 
 class LessonRunner:
     """One tests/lesson_runner.py process: the plain runs of one lesson, one after another.
@@ -93,7 +85,6 @@ class LessonRunner:
 
     def __init__(self, script):
         self.environment = environment()
-        self.port, self.port_lock = reserve_port()
         self.folder = tempfile.mkdtemp(prefix="lesson-runner-")
         self.outputs = [os.open(os.path.join(self.folder, name),
                                 os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
@@ -105,8 +96,7 @@ class LessonRunner:
              str(answers_write), script],
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.outputs[0], stderr=self.outputs[1],
             pass_fds=(requests_read, answers_write), start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(self.port)})
+            env={**os.environ, "PYTHONUNBUFFERED": "1"})
         os.close(requests_read)
         os.close(answers_write)
         self.answer_lines = os.fdopen(self.answers, "r")
@@ -146,30 +136,11 @@ class LessonRunner:
         for fd in self.outputs:
             os.close(fd)
         shutil.rmtree(self.folder, ignore_errors=True)
-        self.port_lock.close()
 
 
 def environment():
     """This Python's environment, less the name of the test that pytest keeps in it."""
     return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
-
-
-def reserve_port():
-    """A port for a runner's ranks to meet at, and a lock that keeps it this runner's.
-
-    Below the range the system hands out when a program asks for any free port (32768 and up
-    on Linux), so a test's free_port() never picks it; and locked, so no other runner does."""
-    while True:
-        port = random.randrange(10000, 20000)
-        lock = open(os.path.join(tempfile.gettempdir(), f"lesson-runner-port-{port}.lock"), "w")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
-            continue
-        if not import_guard_rails().port_in_use(port):  # the lessons' own check of MASTER_PORT
-            return port, lock
-        lock.close()
 
 
 @atexit.register

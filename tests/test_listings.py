@@ -7,33 +7,35 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from helpers import ROOT
 
 FAKE_LESSON = "import sys\nprint(sys.argv[1] if len(sys.argv) > 1 else 'trained, says nothing')\n"
 
 
-def check(tmp_path, markdown, *args, files=None):
-    """Make a git repository in tmp_path/repo with README.md (and files: {name: text}), run the
-    check on it and return the finished process."""
-    return subprocess.run(**check_command(tmp_path, markdown, *args, files=files),
+def check(tmp_path, markdown, *args, files=None, name="README.md"):
+    """Make a git repository in tmp_path/repo with README.md, or the markdown file name (and
+    files: {name: text}), run the check on it and return the finished process."""
+    return subprocess.run(**check_command(tmp_path, markdown, *args, files=files, name=name),
                           capture_output=True, text=True, timeout=60)
 
 
-def check_command(tmp_path, markdown, *args, files=None):
+def check_command(tmp_path, markdown, *args, files=None, name="README.md"):
     """Make the repository (see check) and return the check's command line and environment."""
     repo = tmp_path / "repo"
     repo.mkdir(parents=True)
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
-    (repo / "README.md").write_text(textwrap.dedent(markdown))
-    for name, text in (files or {}).items():
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_text(text)
+    (repo / name).parent.mkdir(parents=True, exist_ok=True)
+    (repo / name).write_text(textwrap.dedent(markdown))
+    for path, text in (files or {}).items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
     # `python` in a listing is this interpreter, as it is for a learner in the activated venv.
     env = {**os.environ,
            "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
     return {"args": [sys.executable, str(ROOT / "tools" / "check_listings.py"), "--root",
-                     str(repo), *args, "README.md"], "env": env}
+                     str(repo), *args, name], "env": env}
 
 
 def lines_of(result, status):
@@ -216,6 +218,83 @@ def test_a_hung_command_is_stopped_and_the_rest_runs(tmp_path):
     assert lines_of(result, "FAIL") == ["README.md:2"]
     assert "hung" in result.stdout
     assert lines_of(result, "ok") == ["README.md:3"]
+
+
+# A lesson in SHARED_STARTS, faked: it notes which Python ran it, then says what it was asked.
+FAKE_SHARED_LESSON = """\
+import os, sys, time
+import guard_rails  # the runner imports it first, as every lesson's train.py does
+with open(os.environ["PIDS_FILE"], "a") as pids:
+    print(os.getpid(), *sys.argv[1:], os.environ.get("SEEN", "-"), file=pids)
+if "--hang" in sys.argv:
+    time.sleep(60)
+if "--bad" in sys.argv:
+    sys.exit("error: --bad is refused")
+print("test accuracy: 36/36 as asked:", *sys.argv[1:])
+"""
+FAKE_GUARD_RAILS = "def leave_quickly():\n    pass\n\n\ndef port_in_use(port):\n    return False\n"
+
+
+def gone(pid):
+    """Whether a process has ended (a zombie that its new parent has not reaped has too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
+
+def test_plain_runs_of_a_lesson_share_one_python_per_file_and_end_with_it(tmp_path,
+                                                                          monkeypatch):
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("PIDS_FILE", str(pids_file))
+    markdown = """\
+        ```bash
+        python 02_multi_gpu_spawn/train.py --epochs 1
+        python 02_multi_gpu_spawn/train.py --epochs 2 --out-dir runs/x
+        python 02_multi_gpu_spawn/train.py --bad   # fails: error: --bad is refused
+        python 02_multi_gpu_spawn/train.py --hang
+        python 02_multi_gpu_spawn/train.py --epochs 3
+        SEEN=prefix python 02_multi_gpu_spawn/train.py --epochs 4
+        export SEEN=exported
+        python 02_multi_gpu_spawn/train.py --epochs 5
+        ```
+
+        <!-- output: exact lines -->
+        ```text
+        test accuracy: 36/36 as asked: --epochs 5
+        ```
+        """
+    files = {"02_multi_gpu_spawn/train.py": FAKE_SHARED_LESSON,
+             "02_multi_gpu_spawn/guard_rails.py": FAKE_GUARD_RAILS}
+    result = check(tmp_path, markdown, "--timeout", "3", files=files)
+    assert lines_of(result, "FAIL") == ["README.md:5"], result.stdout  # --hang, stopped
+    assert "hung" in result.stdout
+    assert result.returncode == 1
+    runs = [line.split() for line in pids_file.read_text().splitlines()]
+    assert [run[1:] for run in runs] == [
+        ["--epochs", "1", "-"], ["--epochs", "2", "--out-dir", "runs/x", "-"], ["--bad", "-"],
+        ["--hang", "-"], ["--epochs", "3", "-"], ["--epochs", "4", "prefix"],
+        ["--epochs", "5", "exported"]]
+    pids = [run[0] for run in runs]
+    # One Python for the first four; the hung run's ends with it, so a new one for --epochs 3;
+    # a run with an environment of its own is a fresh Python, and a changed one a new runner.
+    assert pids[0] == pids[1] == pids[2] == pids[3]
+    assert len({pids[3], pids[4], pids[5], pids[6]}) == 4
+    assert all(gone(pid) for pid in set(pids)), "a runner outlived its file"
+
+    pids_file.unlink()
+    result = check(tmp_path / "fresh", markdown, "--timeout", "3", "--fresh", files=files)
+    assert lines_of(result, "FAIL") == ["README.md:5"], result.stdout
+    assert len({line.split()[0] for line in pids_file.read_text().splitlines()}) == 7
+
+    # In the lesson's own README, its first plain run is a fresh Python, as typed; the next
+    # ones share one.
+    pids_file.unlink()
+    result = check(tmp_path / "own", markdown.replace("--hang", "--epochs 9"), files=files,
+                   name="02_multi_gpu_spawn/README.md")
+    assert result.returncode == 0, result.stdout
+    pids = [line.split()[0] for line in pids_file.read_text().splitlines()]
+    assert pids[0] != pids[1] == pids[2] == pids[3] == pids[4]
 
 
 def test_a_lesson_run_that_trains_nothing_silently_is_flagged(tmp_path):

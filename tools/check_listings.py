@@ -4,6 +4,7 @@
     python tools/check_listings.py 02_multi_gpu_spawn/README.md  # one file
     python tools/check_listings.py --jobs 1                      # one file after another
     python tools/check_listings.py --list                        # what would run; runs nothing
+    python tools/check_listings.py --fresh                       # each command a Python of its own
 
 The files, by default: the root README.md, every numbered lesson's README.md (00_preflight on),
 INSTRUCTORS.md and the exercises' pages (exercises/*.md). The conventions a README author
@@ -75,6 +76,16 @@ follows, which this check enforces:
   commands after it still run (if the shell itself hangs, in a loop, the rest of the file fails
   as not run).
 
+A plain run of a lesson whose ranks fork from a server (SHARED_STARTS, tests/lesson_runner.py),
+`python NN_name/train.py` and its flags with nothing else on the line, not in the background,
+runs as the tests' plain runs do: in one Python per lesson and file (tools/lesson_client.py),
+which imports torch and starts the fork server on the lesson's first run of the file, and runs
+each later one as `__main__` with its arguments, in the same folder and environment (else it
+starts another). Its exit status, its output and its files are a fresh Python's
+(tests/test_lesson_runner.py compares them); what it leaves out is a Python's start and exit,
+so a lesson's first plain run in its own README runs as typed, in a Python of its own. --fresh
+runs every command in a Python of its own, exactly as a learner's terminal does.
+
 The check is the CPU path, also on a machine with GPUs: every command sees
 CUDA_VISIBLE_DEVICES="" (torch finds no GPU) and PYTHONUNBUFFERED=1, and none of the variables a
 launcher or Slurm sets (RANK, WORLD_SIZE, MASTER_ADDR, SLURM_*, ...), as in a fresh terminal.
@@ -117,6 +128,10 @@ from functools import partial
 from pathlib import Path
 
 from ci_slots import SLOTS  # tools/, beside this file: on sys.path for a script and its importers
+from lesson_client import end_runners
+
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent / "tests"))
+from lesson_runner import SHARED_STARTS  # noqa: E402 - the lessons whose plain runs share a Python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,6 +151,9 @@ HEREDOC = re.compile(r"<<(-?)[ \t]*(?:'([^']*)'|\"([^\"]*)\"|\\?([\w.-]+))")
 LESSON_RUN = re.compile(r"(?:^|[\s;&|(/])(?:python[\d.]*|torchrun)\s(?:(?!\.py\b)[^;&|\n])*?"
                         r"\b\d\d_[\w-]+/train\.py\b")
 HELP = re.compile(r"(?:^|\s)(?:--help|-h)(?=\s|$)")
+# A plain run of a lesson, nothing else on the line: python, the lesson's train.py, its flags.
+PLAIN_RUN = re.compile(r"python\s+((\d\d_[\w-]+)/train\.py(?:\s+[\w./=,:+-]+)*)")
+CLIENT = Path(__file__).resolve().parent / "lesson_client.py"
 # A node other than node 0 (lesson 03's --node-rank, torchrun's): rank 0, which prints the result,
 # runs on node 0.
 OTHER_NODE = re.compile(r"--node[-_]rank[= ]+(?!0\b)\d+")
@@ -501,20 +519,41 @@ def copy_repository(root, destination):
         shutil.copy2(source, destination / name, follow_symlinks=False)
 
 
-def bash_script(commands, status):
+def shared_run(command, fresh_ones=None):
+    """The `lesson/train.py flags` of a plain run of a lesson in SHARED_STARTS, else None. The
+    first such run of a lesson in its own README runs as typed, in a Python of its own (its
+    lesson's name is then added to the set fresh_ones, where given), so that every lesson's
+    start and exit run in a fresh Python too."""
+    match = PLAIN_RUN.fullmatch(command.code.strip())
+    if command.background or not match or match[2] not in SHARED_STARTS:
+        return None
+    if fresh_ones is not None and command.path == f"{match[2]}/README.md" and \
+            match[2] not in fresh_ones:
+        fresh_ones.add(match[2])
+        return None
+    return match[1]
+
+
+def bash_script(commands, status, runners=None):
     """One bash script that runs every command in turn, in the same shell, each with its output
     in status/N.log; status/N.start is made as it starts, and status/N.end holds its exit status
     once it has ended. A background command runs in a subshell that writes its own N.end; its pid
-    is in status/N.pid."""
-    parts = []
+    is in status/N.pid. With runners (a folder), a plain run of a lesson in SHARED_STARTS runs in
+    that lesson's runner there (tools/lesson_client.py)."""
+    parts, fresh_ones = [], set()
     for n, command in enumerate(commands):
         files = {kind: shlex.quote(str(status / f"{n}.{kind}"))
                  for kind in ("start", "log", "end", "pid")}
         parts.append(f": > {files['start']}")
+        run = shared_run(command, fresh_ones) if runners else None
         if command.background:
             parts.append(f"{{ {{ {command.script}\n}} > {files['log']} 2>&1; "
                          f"printf '%s\\n' \"$?\" > {files['end']}; }} &")
             parts.append(f"printf '%s\\n' \"$!\" > {files['pid']}")
+        elif run:
+            parts.append(f"{{ python {shlex.quote(str(CLIENT))} {shlex.quote(str(runners))} "
+                         f"{run}\n}} > {files['log']} 2>&1")
+            parts.append(f"printf '%s\\n' \"$?\" > {files['end']}")
         else:
             parts.append(f"{{ {command.script}\n}} > {files['log']} 2>&1")
             parts.append(f"printf '%s\\n' \"$?\" > {files['end']}")
@@ -634,9 +673,10 @@ def exit_problem(result):
     return ""
 
 
-def run_listing(root, listing, timeout, report):
+def run_listing(root, listing, timeout, report, share=True):
     """Run one file's commands in a fresh copy of root; report(result) is called for each, in
-    the file's order, as soon as it and every command before it have ended."""
+    the file's order, as soon as it and every command before it have ended. With share, a plain
+    run of a lesson in SHARED_STARTS runs in that lesson's runner (the module's docstring)."""
     commands = listing.commands
     results = [None] * len(commands)
     with ExitStack() as stack:
@@ -645,7 +685,9 @@ def run_listing(root, listing, timeout, report):
         copy_repository(root, repository)
         status.mkdir()
         script = Path(scratch) / "listing.sh"
-        script.write_text(bash_script(commands, status))
+        runners = Path(scratch) / "runners"
+        stack.callback(end_runners, runners)  # the file is done, or stopped: they end too
+        script.write_text(bash_script(commands, status, runners if share else None))
         shell_log = stack.enter_context(open(Path(scratch) / "shell.log", "w+"))
         shell = subprocess.Popen(["bash", str(script)], cwd=repository, env=learner_environment(),
                                  stdin=subprocess.DEVNULL, stdout=shell_log,
@@ -854,7 +896,7 @@ def announce(listing, say):
         say(f"{command.where}  same as {original.where}  {one_line(command.shown)}")
 
 
-def check_file(root, listing, timeout, checked, live, alone=False):
+def check_file(root, listing, timeout, checked, live, alone=False, share=True):
     """Run one file's commands and print its lines: live, each as it comes; else all of them
     when the file is done, so that the lines of two files running at once never mix. Returns
     the file's failures (its commands' and the conventions it breaks) and its seconds."""
@@ -865,7 +907,8 @@ def check_file(root, listing, timeout, checked, live, alone=False):
     with SLOTS.held(2 if alone else 1):
         began, failed = time.monotonic(), []
         returncode, shell_output, results = run_listing(
-            root, listing, timeout, partial(report, failed=failed, checked=checked, say=say))
+            root, listing, timeout, partial(report, failed=failed, checked=checked, say=say),
+            share)
     never_ran = len(listing.commands) - len(results)
     if never_ran:
         say(f"{listing.path}: the shell ended (status {returncode}) after {len(results)} of "
@@ -881,7 +924,7 @@ def check_file(root, listing, timeout, checked, live, alone=False):
     return len(failed) + never_ran + len(listing.errors), seconds
 
 
-def run_files(root, listings, timeout, jobs, checked):
+def run_files(root, listings, timeout, jobs, checked, share=True):
     """Run the files (check_file), jobs at a time: the longest first (TYPICAL_SECONDS), never two at
     once that share a fixed port (fixed_ports), and a file marked ALONE beside no other. Returns
     each file's (failures, seconds), in the order given. Stopped (SIGTERM, Ctrl-C), it ends
@@ -907,7 +950,7 @@ def run_files(root, listings, timeout, jobs, checked):
                                 f" (fixed ports {', '.join(map(str, sorted(ports[n])))})"
                                 if ports[n] else ""), flush=True)
                     running[pool.submit(check_file, root, listings[n], timeout, checked,
-                                        jobs == 1, alone[n])] = n
+                                        jobs == 1, alone[n], share)] = n
                     continue
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -952,6 +995,9 @@ def main(argv=None):
                         help="how many files run at a time (default: 2): the longest first, and "
                         "never two that use the same fixed port; 1 runs them one after another, "
                         "in order")
+    parser.add_argument("--fresh", action="store_true",
+                        help="run every command in a Python of its own, plain lesson runs too "
+                        "(default: one Python per lesson and file for those)")
     parser.add_argument("--pytest-outcomes", type=Path,
                         help="the file of test outcomes that CI's pytest step wrote "
                         "(PYTEST_OUTCOMES): a command marked the same as a test file's passes "
@@ -975,13 +1021,16 @@ def main(argv=None):
     if args.list:
         for listing in listings:
             announce(listing, partial(print, flush=True))
+            fresh_ones = set()
             for command in listing.commands:
+                shared = not args.fresh and shared_run(command, fresh_ones)
                 print(f"{command.where}  {'[background] ' * command.background}"
+                      f"{'[one Python per lesson] ' * bool(shared)}"
                       f"{one_line(command.shown, 200)}")
         failures = sum(len(listing.errors) for listing in listings)
     else:
         checked = {}  # every command's result, by its file:line
-        outcomes = run_files(root, listings, args.timeout, args.jobs, checked)
+        outcomes = run_files(root, listings, args.timeout, args.jobs, checked, not args.fresh)
         failures = sum(failed for failed, _ in outcomes)
         tests = read_outcomes(args.pytest_outcomes) if args.pytest_outcomes else None
         failures += report_same_as(same_as, checked, files, tests)
