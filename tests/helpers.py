@@ -47,11 +47,14 @@ def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None, fresh
     With patch, the lesson runs under tests/patched_lesson.py with that patch applied. A plain
     run of a lesson that forks its ranks (no patch, env or cwd of its own, fresh False) goes to
     the lesson's runner (tests/lesson_runner.py): the same script, exit status and output, from
-    a Python that has imported torch and started the fork server once for all such runs."""
+    a Python that has imported torch and started the fork server once for all such runs. So
+    does a run whose env hides the GPUs and sets nothing else (NO_GPUS), to a runner of its own
+    started in that environment."""
     script = str(ROOT / lesson / "train.py")
     command = [sys.executable, script, *map(str, args)]
-    if lesson in SHARED_STARTS and not (patch or env or cwd or fresh):
-        return LessonRunner.for_lesson(script).run(command, timeout)
+    if lesson in SHARED_STARTS and not (patch or cwd or fresh) and set(env or {}) <= {
+            "CUDA_VISIBLE_DEVICES"}:
+        return LessonRunner.for_lesson(script, env or {}).run(command, timeout)
     if patch:
         command = [sys.executable, str(ROOT / "tests" / "patched_lesson.py"), script, patch,
                    *map(str, args)]
@@ -64,26 +67,29 @@ def run_lesson(lesson, *args, cwd=None, env=None, timeout=240, patch=None, fresh
 class LessonRunner:
     """One tests/lesson_runner.py process: the plain runs of one lesson, one after another.
 
-    Each of this Python's runners is kept for the next run of its lesson, two at most (each
-    holds torch twice, in itself and in its fork server), and only while the environment is
-    the one it started with. Its stdout and stderr are files, appended to by the runner, its
+    Each of this Python's runners is kept for the next run of its lesson (and env), three at
+    most (each holds torch twice, in itself and in its fork server: about 510 and 745 MB
+    resident, much of it the same library pages), and only while the environment is the one
+    it started with. Its stdout and stderr are files, appended to by the runner, its
     fork server and every rank: a run's output is what they grew by while it ran."""
 
-    running = {}  # script -> LessonRunner, the most recently used last
+    running = {}  # (script, its env's items) -> LessonRunner, the most recently used last
 
     @classmethod
-    def for_lesson(cls, script):
-        runner = cls.running.pop(script, None)
+    def for_lesson(cls, script, env=None):
+        key = (script, tuple(sorted((env or {}).items())))
+        runner = cls.running.pop(key, None)
         if runner and runner.environment != environment():
             runner.close()  # a test changed the environment: a new runner starts in it
             runner = None
-        runner = runner or cls(script)
-        cls.running[script] = runner
-        while len(cls.running) > 2:
+        runner = runner or cls(script, env or {})
+        cls.running[key] = runner
+        while len(cls.running) > 3:
             cls.running.pop(next(iter(cls.running))).close()
         return runner
 
-    def __init__(self, script):
+    def __init__(self, script, env):
+        self.key = (script, tuple(sorted(env.items())))
         self.environment = environment()
         self.folder = tempfile.mkdtemp(prefix="lesson-runner-")
         self.outputs = [os.open(os.path.join(self.folder, name),
@@ -96,7 +102,7 @@ class LessonRunner:
              str(answers_write), script],
             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=self.outputs[0], stderr=self.outputs[1],
             pass_fds=(requests_read, answers_write), start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
         os.close(requests_read)
         os.close(answers_write)
         self.answer_lines = os.fdopen(self.answers, "r")
@@ -118,7 +124,7 @@ class LessonRunner:
                           .decode().replace("\r\n", "\n").replace("\r", "\n")
                           for fd, size in zip(self.outputs, sizes, strict=True))
         if not line:
-            del self.running[command[1]]
+            del self.running[self.key]
             self.close()
         if line is None:
             raise subprocess.TimeoutExpired(command, timeout, stdout, stderr)

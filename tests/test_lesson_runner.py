@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    NO_GPUS,
     ROOT,
     LessonRunner,
     live_processes_in_group,
@@ -58,14 +59,21 @@ def test_a_run_in_the_runner_is_the_run_of_a_fresh_python(tmp_path):
     assert errors[0].returncode == errors[1].returncode == 1
     assert errors[0].stderr == errors[1].stderr and errors[0].stdout == errors[1].stdout == ""
     # The runner kept its fork server for the next run: leave_quickly would have stopped it.
-    assert len(fork_servers_of(LessonRunner.running[SCRIPT])) == 1
+    assert len(fork_servers_of(LessonRunner.for_lesson(SCRIPT))) == 1
+    # A run that hides the GPUs goes to a runner of its own, started in that environment.
+    hidden = run_lesson(LESSON, *RUN, "--out-dir", tmp_path / "hidden", env=NO_GPUS)
+    assert hidden.returncode == 0, hidden.stderr
+    runner = LessonRunner.for_lesson(SCRIPT, NO_GPUS)
+    assert runner is not LessonRunner.for_lesson(SCRIPT)
+    environ = Path(f"/proc/{runner.process.pid}/environ").read_bytes().split(b"\0")
+    assert b"CUDA_VISIBLE_DEVICES=" in environ
 
 
 def test_a_run_past_its_timeout_ends_with_its_runner_its_server_and_its_ranks(tmp_path):
     group = LessonRunner.for_lesson(SCRIPT).process.pid  # its process group: server and ranks
     with pytest.raises(subprocess.TimeoutExpired):
         run_lesson(LESSON, *RUN[:-1], 100000, "--out-dir", tmp_path, timeout=20)
-    assert SCRIPT not in LessonRunner.running, "a runner that timed out is not used again"
+    assert (SCRIPT, ()) not in LessonRunner.running, "a runner that timed out is not used again"
     assert live_processes_in_group(group) == []
     # The next run starts a runner of its own.
     done = run_lesson(LESSON, *RUN, "--out-dir", tmp_path / "after")

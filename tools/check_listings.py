@@ -838,15 +838,15 @@ def report_same_as(same_as, checked, files, outcomes=None):
 # end. A file missing here counts as the longest and starts first. To refresh the numbers, copy
 # the time column of the table the check prints at its end.
 TYPICAL_SECONDS = {
-    "INSTRUCTORS.md": 750, "10_pipeline_parallel/README.md": 220, "07_sharding/README.md": 200,
-    "README.md": 180, "09_tensor_parallel/README.md": 160, "06_ddp_in_practice/README.md": 130,
-    "02_multi_gpu_spawn/README.md": 110, "04_checkpointing/README.md": 110,
-    "08_ddp_from_scratch/README.md": 90, "03_multi_node/README.md": 80,
-    "05_model_parallel_ddp/README.md": 80, "01_single_gpu/README.md": 45,
-    "00_preflight/README.md": 35, "exercises/07_fsdp2.md": 40,
-    "exercises/08_average_by_hand.md": 35, "exercises/README.md": 35,
-    "exercises/02_ddp_with_spawn.md": 10, "exercises/03_global_ranks.md": 10,
-    "exercises/04_snapshot_resume.md": 10,
+    "INSTRUCTORS.md": 190, "README.md": 115, "10_pipeline_parallel/README.md": 90,
+    "06_ddp_in_practice/README.md": 60, "09_tensor_parallel/README.md": 60,
+    "05_model_parallel_ddp/README.md": 55, "03_multi_node/README.md": 45,
+    "02_multi_gpu_spawn/README.md": 40, "04_checkpointing/README.md": 35,
+    "07_sharding/README.md": 35, "08_ddp_from_scratch/README.md": 25,
+    "01_single_gpu/README.md": 20, "00_preflight/README.md": 20, "exercises/07_fsdp2.md": 20,
+    "exercises/08_average_by_hand.md": 20, "exercises/README.md": 20,
+    "exercises/02_ddp_with_spawn.md": 5, "exercises/03_global_ranks.md": 5,
+    "exercises/04_snapshot_resume.md": 5,
 }
 # A fixed TCP port that a command names: --master-port 29513, MASTER_PORT=29513,
 # --rdzv-endpoint 127.0.0.1:29400.
