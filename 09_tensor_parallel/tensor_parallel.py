@@ -19,7 +19,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 def build_mesh(dp, tp, device, timeout):
     """The dp x tp device mesh: row d holds the tp ranks of TP group d, column t the dp ranks
-    that hold the same slices. With 2 x 2: TP groups [0, 1] and [2, 3], DP groups [0, 2], [1, 3]."""
+    that hold the same slices. With 2 x 2: TP groups [0, 1] and [2, 3], DP groups [0, 2], [1, 3].
+    A rank beyond the dp x tp ranks (the benchmark runs smaller meshes in a larger launch) makes
+    the groups too, and gets None."""
     ranks = torch.arange(dp * tp).view(dp, tp)
     groups = {}
     # Every rank makes every group, in the same order, and keeps its own. Not init_device_mesh,
@@ -29,6 +31,8 @@ def build_mesh(dp, tp, device, timeout):
             group = dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))
             if dist.get_rank() in line:
                 groups[name] = group
+    if not groups:
+        return None
     return DeviceMesh.from_group([groups["dp"], groups["tp"]], device.type, mesh=ranks,
                                  mesh_dim_names=("dp", "tp"))
 

@@ -78,7 +78,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 MODELS = ("wine-mlp", "resnet18")
@@ -93,9 +92,11 @@ ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "processes", 
               "repeat_samples_per_s", "repeat_order")
 # Lesson 07's strategies, measured next to DDP at every world size.
 SHARDED = ("zero1", "fsdp")
-# Lesson 09's layouts of the wine MLP (its split_model): tp, every rank of the world size in one
-# TP group; 2d, dp x tp with TP groups of TP_2D ranks and FSDP across them. ResNet-18 has none:
-# the plan splits Linear layers, not convolutions.
+# Lesson 09's layouts of the wine MLP, made by its own build_mesh and split_model
+# (09_tensor_parallel/tensor_parallel.py): tp, every rank of the world size in one TP group; 2d,
+# dp x tp with TP groups of TP_2D ranks and FSDP across them. ResNet-18 has none: the plan
+# splits Linear layers, not convolutions.
+LESSON09 = Path(__file__).resolve().parent.parent / "09_tensor_parallel"
 TENSOR_PARALLEL = ("tp", "2d")
 TP_2D = 2
 HIDDEN = 64  # the wine MLP's hidden units: fc1's output columns, dealt out over the TP ranks
@@ -248,11 +249,14 @@ def make_batch(model_name, batch, image_size, device, seed):
 
 
 class WineMLP(nn.Module):
-    """Lesson 01's model: 13 measurements -> 64 hidden units -> 3 cultivars."""
+    """Lesson 01's model: 13 measurements -> 64 hidden units -> 3 cultivars. Its empty `hidden`
+    is lesson 09's list of the layers between fc1 and fc2 (none here), which its split_model
+    reads."""
 
     def __init__(self, in_features=13, hidden=64, classes=3):
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden)
+        self.hidden = nn.ModuleList()
         self.fc2 = nn.Linear(hidden, classes)
 
     def forward(self, x):
@@ -325,7 +329,7 @@ def wrap_model(model, case, device, group=None):
 
     group: the process group DDP all-reduces over; None for every rank of the launch, a smaller
     group for a case with fewer ranks than the launch has (the per-worker cases on the CPU). For
-    tp and 2d, the case's dp x tp device mesh (build_mesh)."""
+    tp and 2d, the case's dp x tp device mesh (lesson 09's build_mesh)."""
     if case["case"] == "dataparallel":
         # One process drives every GPU: it copies the model to each GPU at every forward pass
         # and gathers the outputs on the first; the classic comparison with DDP.
@@ -337,7 +341,7 @@ def wrap_model(model, case, device, group=None):
     if case["case"] == "fsdp":
         return shard_fully(model, case, device)
     if case["case"] in TENSOR_PARALLEL:
-        return split_model(model, group)
+        return lesson09().split_model(model, group)
     knob, value = case["knob"], case["knob_value"]
     options = {}
     if knob == "bucket_cap_mb":
@@ -381,39 +385,6 @@ def tensor_layout(case, world_size):
     """(dp, tp) of lesson 09's layout: tp, one TP group of every rank; 2d, TP groups of TP_2D."""
     tp = world_size if case == "tp" else TP_2D
     return world_size // tp, tp
-
-
-def build_mesh(dp, tp, device, timeout):
-    """Lesson 09's dp x tp device mesh (its build_mesh): row d holds the tp ranks of TP group d,
-    column t the dp ranks that hold the same slices; with 2 x 2, TP groups [0, 1] and [2, 3].
-
-    Its groups come from make_group, with --timeout: init_device_mesh would make them with the
-    30-minute default. Every rank of the launch makes every group, in the same order, members or
-    not (new_group's rule); a rank outside the dp x tp ranks gets None."""
-    ranks = torch.arange(dp * tp).view(dp, tp)
-    groups = {}
-    for name, lines in (("dp", ranks.T), ("tp", ranks)):
-        for line in lines:
-            group = make_group(timeout, line.tolist())
-            if dist.get_rank() in line.tolist():
-                groups[name] = group
-    if not groups:
-        return None
-    return DeviceMesh.from_group([groups["dp"], groups["tp"]], device.type, mesh=ranks,
-                                 mesh_dim_names=("dp", "tp"))
-
-
-def split_model(model, mesh):
-    """Lesson 09's split_model on the wine MLP: tensor parallel across "tp" (fc1 column-wise,
-    fc2 row-wise: each rank holds 64/tp hidden units, and one all-reduce per forward puts fc2's
-    output together), then FSDP across "dp" on each layer and the root, if dp > 1. Every rank
-    built the same model from the same seed, so each slice is the one it keeps."""
-    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-    if mesh["dp"].size() > 1:
-        for layer in (model.fc1, model.fc2):
-            fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    return model
 
 
 def build_optimizer(model, case):
@@ -533,6 +504,16 @@ def lesson08():
     folder on sys.path, where train.py finds guard_rails.py."""
     sys.path.insert(0, str(LESSON08))
     spec = importlib.util.spec_from_file_location("lesson08_train", LESSON08 / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def lesson09():
+    """Lesson 09's tensor_parallel.py as a module: build_mesh and split_model (torch only)."""
+    spec = importlib.util.spec_from_file_location("lesson09_tensor_parallel",
+                                                  LESSON09 / "tensor_parallel.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -757,7 +738,7 @@ def worker(rank, world_size, backend, cases, total, args, partial_path, port):
             if case["case"] in TENSOR_PARALLEL:
                 layout = tensor_layout(case["case"], case["world_size"])
                 if layout not in meshes:
-                    meshes[layout] = build_mesh(*layout, device, args.timeout)
+                    meshes[layout] = lesson09().build_mesh(*layout, device, args.timeout)
         works, held, records = [], [], {}
         for index, case in enumerate(cases):
             torch.set_num_threads(case["threads_per_rank"])

@@ -15,14 +15,18 @@ learning rate, 1e-2)."""
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from helpers import (
     GPUS,
+    ROOT,
     assert_good_run,
     assert_one_line_error,
     evaluate_single_process,
+    free_port,
     import_guard_rails,
     import_lesson,
     lesson02_run,
@@ -193,6 +197,44 @@ def test_under_torchrun_dp_is_its_ranks_over_tp_or_one_line(monkeypatch):
     with pytest.raises(SystemExit) as stop:
         guard_rails.check_tensor_parallel(args)
     assert stop.value.code.startswith("error: --dp 3 x --tp 2 = 6 ranks, but torchrun started 8")
+
+
+# Three gloo ranks forked from one process build a 1 x 2 mesh: ranks 0 and 1 are its TP group,
+# rank 2 makes every group too (new_group's rule) and gets None, as the benchmark's ranks beyond
+# a smaller case's mesh do (benchmarks/scaling.py imports build_mesh).
+BEYOND_THE_MESH = """
+import datetime, multiprocessing, os, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from tensor_parallel import build_mesh
+
+
+def rank(r, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=r, world_size=3, timeout=datetime.timedelta(seconds=60))
+    mesh = build_mesh(1, 2, torch.device("cpu"), 60)
+    print(r, None if mesh is None else mesh["tp"].mesh.tolist(), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+port = sys.argv[2]
+ranks = [multiprocessing.get_context("fork").Process(target=rank, args=(r, port))
+         for r in range(3)]
+for process in ranks:
+    process.start()
+for process in ranks:
+    process.join(60)
+print("exit codes", [process.exitcode for process in ranks], flush=True)
+"""
+
+
+def test_a_rank_beyond_the_mesh_makes_its_groups_and_gets_none():
+    result = subprocess.run([sys.executable, "-c", BEYOND_THE_MESH, str(ROOT / LESSON),
+                             str(free_port())], capture_output=True, text=True, timeout=120)
+    assert "exit codes [0, 0, 0]" in result.stdout, result.stdout + result.stderr
+    assert sorted(result.stdout.splitlines()[:3]) == ["0 [0, 1]", "1 [0, 1]", "2 None"]
 
 
 # ---------------------------------------------------------------------------------------------

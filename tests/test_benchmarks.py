@@ -336,7 +336,7 @@ def check(rank):
     report = {}
     for case in (c for c in cases if c["case"] in ("tp", "2d")):
         dp, tp = scaling.tensor_layout(case["case"], 4)
-        mesh = scaling.build_mesh(dp, tp, device, 60)
+        mesh = scaling.lesson09().build_mesh(dp, tp, device, 60)
         _, held = scaling.build_training_case({**case, "warmup": 1}, device, mesh)
         whole = [p.full_tensor() for p in trained[-1].parameters()]
         batches, helds = [None] * 4, [None] * 4
