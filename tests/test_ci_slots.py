@@ -56,6 +56,26 @@ def test_two_slots_run_two_jobs_at_a_time_and_every_slot_comes_back(pipe):
     assert os.read(ours, 10) == b"++"
 
 
+def test_a_job_of_two_slots_takes_none_until_it_holds_the_claim(pipe, monkeypatch):
+    # The moment CI once met: each of two such jobs finds the claim taken (try_claim fails), and
+    # the other job's claim is gone by the time it looks again. A job that then took a slot
+    # without the claim would hold one while the other held the other, both waiting forever.
+    slots = ci_slots.Slots(pipe[0])
+    try_claim, failed = slots.try_claim, set()
+
+    def claim_taken_once():
+        me = threading.get_ident()
+        if me not in failed:
+            failed.add(me)
+            time.sleep(0.1)  # both have failed before either looks again
+            return False
+        return try_claim()
+
+    monkeypatch.setattr(slots, "try_claim", claim_taken_once)
+    assert most_at_once(slots, [2, 2]) == 2
+    assert os.read(pipe[1], 10) == b"++"
+
+
 def test_without_ci_slots_a_job_starts_at_once_and_a_stopped_tool_starts_none(pipe):
     assert most_at_once(ci_slots.Slots(None), [1] * 4) == 4
     slots = ci_slots.Slots(pipe[0])

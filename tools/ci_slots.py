@@ -33,7 +33,9 @@ class Slots:
                     raise RuntimeError("stopped while waiting for a slot")
                 if count > 1 and not claimed:
                     claimed = self.try_claim()  # several slots: one such job gathers at a time
-                if not claimed and os.path.exists(self.claim):
+                # A job of several slots takes none before it holds the claim: two that each
+                # took one while another's claim was ending would wait for each other forever.
+                if not claimed and (count > 1 or os.path.exists(self.claim)):
                     time.sleep(0.2)  # another job is gathering slots: it goes first
                     continue
                 select.select([self.pipe], [], [], 1)  # a free slot, or a second gone by
