@@ -89,7 +89,7 @@ EXPECTED_TEXT = {
     "08_ddp_from_scratch": ["--bucket-mb 1: 4 bucket(s)", "gradient all-reduces per step: 10",
                             "  bucket 3 (57,344 bytes): fc1.bias fc1.weight", "test accuracy:",
                             "all-reduces in one step, counted in the trace: after-backward 10, "
-                            "buckets 4", "first all-reduce began during backward: "
+                            "buckets 4", "first all-reduce launched during backward: "
                             "after-backward False, buckets True"],
     "09_tensor_parallel": ["sum of the 2 partial outputs equals the whole model's: True",
                            "drawing agrees with the measured bytes: True",
