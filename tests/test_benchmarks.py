@@ -13,7 +13,6 @@ groups is checked too: a group beside the launch's waits no longer than its time
 failure NCCL is aborted, not destroyed."""
 
 import csv
-import importlib.util
 import json
 import os
 import re
@@ -24,10 +23,17 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from bench.cases import AutocastForward, build_model, prepare, wrap_model
+from bench.flags import default_settings, parse_args
+from bench.plan import plan_cases
+from bench.ranks import leave_group
+from bench.rows import add_pipeline_speedups, case_name, noise_check, summarise, summarise_pipeline
 from helpers import GPUS, ROOT, assert_one_line_error, fsdp_rows
 
-SCRIPT = ROOT / "benchmarks" / "scaling.py"
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPT = BENCHMARKS / "scaling.py"
 # Tiny: 32x32 images, batch 2, one step per repeat, 2 repeats (the fewest that show the
 # rounds). Every case still runs, on 1 and 2 ranks.
 REPEATS = 2
@@ -55,14 +61,6 @@ def run_benchmark(*args, timeout=240):
     command = [sys.executable, str(SCRIPT), *map(str, args)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def import_script():
-    """benchmarks/scaling.py as a module, to call its functions without running it."""
-    spec = importlib.util.spec_from_file_location("scaling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def read_rows(out_dir, stem):
@@ -271,14 +269,13 @@ def test_memory_per_rank_is_each_strategys_share(cpu_run):
     rank all three hold what DDP holds. A strategy that shards nothing fails here."""
     result, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "results")
-    scaling = import_script()
     for model in ("wine-mlp", "resnet18"):
         def held(case, world_size, rows=rows, model=model):
             row = next(r for r in rows if (r["model"], r["case"], r["world_size"]) ==
                        (model, case, world_size) and r["knob"] is None)
             return [row[field] for field in MEMORY]
 
-        tensors = list(scaling.build_model(model).parameters())
+        tensors = list(build_model(model).parameters())
         whole = sum(p.numel() * p.element_size() for p in tensors)
         assert held("ddp", 1) == held("ddp", 2) == [whole] * 3
         assert held("zero1", 1) == held("fsdp", 1) == [whole] * 3
@@ -307,37 +304,41 @@ def test_memory_per_rank_is_each_strategys_share(cpu_run):
 # benchmark's own worker() on the 4-rank launch's tp, 2d and ddp cases, and the parent prints
 # its rows.
 FOUR_RANKS = """
-import importlib.util, json, multiprocessing, os, sys
+import json, multiprocessing, os, sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-spec = importlib.util.spec_from_file_location("scaling", sys.argv[1])
-scaling = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(scaling)
+sys.path.insert(0, sys.argv[1])  # benchmarks/, where scaling.py finds its bench package
+from bench import cases
+from bench.flags import cpu_cores, parse_args
+from bench.plan import plan_cases
+from bench.ranks import find_free_port, setup_process_group, worker
+from bench.rows import add_speedups
+
 out_dir = sys.argv[2]
-args = scaling.parse_args([*sys.argv[3:], "--device", "cpu", "--max-world-size", "4",
-                           "--models", "wine-mlp", "--knobs", "none", "--sharded", "none",
-                           "--out-dir", out_dir])
-plan, _, _ = scaling.plan_cases(args, "cpu", scaling.cpu_cores())
-cases = [c for c in plan[4] if c["case"] in ("ddp", "tp", "2d") and c["world_size"] == 4]
-for index, case in enumerate(cases, 1):
+args = parse_args([*sys.argv[3:], "--device", "cpu", "--max-world-size", "4",
+                  "--models", "wine-mlp", "--knobs", "none", "--sharded", "none",
+                  "--out-dir", out_dir])
+plan, _, _ = plan_cases(args, "cpu", cpu_cores())
+launch = [c for c in plan[4] if c["case"] in ("ddp", "tp", "2d") and c["world_size"] == 4]
+for index, case in enumerate(launch, 1):
     case["index"] = index
 partial = os.path.join(out_dir, "rows.json")
 
 
 def check(rank):
-    device = scaling.setup_process_group(rank, 4, "gloo", 60)
+    device = setup_process_group(rank, 4, "gloo", 60)
     seen, trained = [], []
-    make_batch, build_optimizer = scaling.make_batch, scaling.build_optimizer
-    scaling.make_batch = lambda *a, **k: seen.append(make_batch(*a, **k)) or seen[-1]
-    scaling.build_optimizer = lambda model, case: trained.append(model) or build_optimizer(
+    make_batch, build_optimizer = cases.make_batch, cases.build_optimizer
+    cases.make_batch = lambda *a, **k: seen.append(make_batch(*a, **k)) or seen[-1]
+    cases.build_optimizer = lambda model, case: trained.append(model) or build_optimizer(
         model, case)
     report = {}
-    for case in (c for c in cases if c["case"] in ("tp", "2d")):
-        dp, tp = scaling.tensor_layout(case["case"], 4)
-        mesh = scaling.lesson09().build_mesh(dp, tp, device, 60)
-        _, held = scaling.build_training_case({**case, "warmup": 1}, device, mesh)
+    for case in (c for c in launch if c["case"] in ("tp", "2d")):
+        dp, tp = cases.tensor_layout(case["case"], 4)
+        mesh = cases.lesson09().build_mesh(dp, tp, device, 60)
+        _, held = cases.build_training_case({**case, "warmup": 1}, device, mesh)
         whole = [p.full_tensor() for p in trained[-1].parameters()]
         batches, helds = [None] * 4, [None] * 4
         dist.all_gather_object(batches, [t.tolist() for t in seen[-1]])
@@ -345,7 +346,7 @@ def check(rank):
         if rank == 0:
             # One process, one step on the dp rows' batches: FSDP averages the dp rows'
             # gradients, and each row's loss is the mean over its batch of the same size.
-            plain = scaling.build_model("wine-mlp")
+            plain = cases.build_model("wine-mlp")
             optimizer = build_optimizer(plain, {"case": "ddp"})
             rows = [batches[d * tp] for d in range(dp)]
             features = torch.tensor([x for row in rows for x in row[0]])
@@ -358,7 +359,7 @@ def check(rank):
                                   for a, b in zip(whole, plain.parameters(), strict=True))}
     if rank == 0:
         print("CHECK " + json.dumps(report), flush=True)
-    scaling.make_batch, scaling.build_optimizer = make_batch, build_optimizer
+    cases.make_batch, cases.build_optimizer = make_batch, build_optimizer
     dist.barrier()
     dist.destroy_process_group()
 
@@ -366,11 +367,11 @@ def check(rank):
 def rank(r, ports):
     os.environ["MASTER_PORT"] = ports[0]
     check(r)
-    scaling.worker(r, 4, "gloo", cases, len(cases), args, partial, ports[1])  # os._exit(0)
+    worker(r, 4, "gloo", launch, len(launch), args, partial, ports[1])  # os._exit(0)
 
 
 os.environ["MASTER_ADDR"] = "127.0.0.1"
-ports = [str(scaling.find_free_port()) for _ in range(2)]
+ports = [str(find_free_port()) for _ in range(2)]
 ranks = [multiprocessing.get_context("fork").Process(target=rank, args=(r, ports))
          for r in range(4)]
 for process in ranks:
@@ -379,7 +380,7 @@ for process in ranks:
     process.join(180)
 print("exit codes", [process.exitcode for process in ranks], flush=True)
 with open(partial) as f:
-    print("ROWS " + json.dumps(scaling.add_speedups(json.load(f))), flush=True)
+    print("ROWS " + json.dumps(add_speedups(json.load(f))), flush=True)
 """
 
 
@@ -388,7 +389,7 @@ def four_ranks(tmp_path_factory):
     """{"rows": the 4-rank launch's rows, "check": the batches, bytes and difference above}."""
     out_dir = tmp_path_factory.mktemp("four_ranks")
     # TINY, with 4 MLP steps per repeat instead of 10: the figures are not what is checked.
-    result = subprocess.run([sys.executable, "-c", FOUR_RANKS, str(SCRIPT), str(out_dir),
+    result = subprocess.run([sys.executable, "-c", FOUR_RANKS, str(BENCHMARKS), str(out_dir),
                              *map(str, [*TINY, "--mlp-steps", 4, "--timeout", 60])],
                             cwd=ROOT, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
@@ -486,7 +487,7 @@ def test_bus_bandwidth_is_algbw_times_2_n_minus_1_over_n(world_size, factor):
     # The function that makes each all-reduce row, given repeats of 4 all-reduces of 1 MB each:
     # at 3 and 4 ranks, where a factor of 1 (what the run above can show) would be wrong.
     case = {"case": "allreduce", "world_size": world_size, "size_bytes": 10**6, "iters": 4}
-    row = import_script().summarise(case, [0.008, 0.004, 0.012], [0, 1, 2], held=None,
+    row = summarise(case, [0.008, 0.004, 0.012], [0, 1, 2], held=None,
                                     processes=world_size)
     assert row["seconds_per_op"] == pytest.approx(0.002)  # the median repeat, per all-reduce
     assert row["algbw_GBps"] == pytest.approx(0.5)  # 1 MB in 2 ms
@@ -548,17 +549,16 @@ def test_noise_check_measures_one_case_before_and_after_the_rounds(cpu_run):
 def test_noise_check_says_when_the_machine_is_too_busy():
     """Within 5% there is nothing to say; beyond it, in either direction, one line that names
     the case, both figures, the load average and what to do."""
-    scaling = import_script()
     what = "resnet18 plain, world size 1, every core"
-    difference, message = scaling.noise_check(what, 60.0, 57.3, [0.4, 0.3, 0.2])
+    difference, message = noise_check(what, 60.0, 57.3, [0.4, 0.3, 0.2])
     assert difference == pytest.approx(-4.5) and message is None
     for end in (56.9, 63.1):
-        difference, message = scaling.noise_check(what, 60.0, end, [3.25, 2.5, 1.0])
+        difference, message = noise_check(what, 60.0, end, [3.25, 2.5, 1.0])
         assert abs(difference) > 5 and "\n" not in message, message
         for fragment in ("too busy for these figures", what, "60.0 samples/s", f"{end:.1f}",
                          f"{difference:+.1f}%", "load average 3.25, 2.50, 1.00", "run again"):
             assert fragment in message, (fragment, message)
-    assert "load average unknown" in scaling.noise_check(what, 60.0, 50.0, None)[1]
+    assert "load average unknown" in noise_check(what, 60.0, 50.0, None)[1]
 
 
 def test_pipeline_rows_give_every_schedules_bubble_beside_its_formula(cpu_run):
@@ -609,11 +609,10 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
     in that world size's launch, beside one process (1 rank, the others waiting), simulated
     and not; the rest listed as skipped with the reason. None by default, so that the default
     run's time does not grow."""
-    scaling = import_script()
-    args = scaling.parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
+    args = parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
                                ",".join(SCHEDULES), "--knobs", "none"])
     assert (args.pipeline_layers, args.microbatches, args.simulate_ms) == (7, 8, 10)
-    plan, _, skipped = scaling.plan_cases(args, "cpu", CORES)
+    plan, _, skipped = plan_cases(args, "cpu", CORES)
     for launch in (1, 2, 3, 4):
         cases = [c for c in plan[launch] if c["case"] in ("pipeline", "one-process")]
         expected = [] if launch in (1, 3) else [
@@ -628,19 +627,19 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
         "pipeline afab, gpipe, 1f1b at world size 3: 8 linear layers (--pipeline-layers 7) do "
         "not split evenly into 3 stages", "pipeline interleaved at world size 3: 8 linear "
         "layers (--pipeline-layers 7) do not split evenly into 6 stages"]
-    args = scaling.parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
+    args = parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
                                ",".join(SCHEDULES), "--pipeline-layers", "3",
                                "--microbatches", "2"])
-    plan, _, skipped = scaling.plan_cases(args, "cpu", CORES)
+    plan, _, skipped = plan_cases(args, "cpu", CORES)
     assert {c["schedule"] for c in plan[4] if c["case"] == "pipeline"} == {"afab", "gpipe"}
     assert [line for line in skipped if "at world size 4" in line] == [
         "pipeline 1f1b at world size 4: 1f1b needs at least one micro-batch per stage "
         "(--microbatches 2)", "pipeline interleaved at world size 4: 4 linear layers "
         "(--pipeline-layers 3) do not split evenly into 8 stages"]
-    assert scaling.parse_args(["--device", "cpu"]).pipeline == []
-    one_rank = scaling.parse_args(["--device", "cpu", "--max-world-size", "1", "--pipeline",
+    assert parse_args(["--device", "cpu"]).pipeline == []
+    one_rank = parse_args(["--device", "cpu", "--max-world-size", "1", "--pipeline",
                                    "gpipe"])
-    _, _, skipped = scaling.plan_cases(one_rank, "cpu", CORES)
+    _, _, skipped = plan_cases(one_rank, "cpu", CORES)
     assert any(line.startswith("pipeline (gpipe): one rank holds the whole model")
                for line in skipped), skipped
 
@@ -648,7 +647,6 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
 def test_pipeline_speed_up_is_against_one_process_of_the_same_launch_and_simulation():
     """Two launches (2 and 4 ranks), each with its one process simulated and not: a row's
     speed-up divides by its own launch's and simulation's one process, never another's."""
-    scaling = import_script()
     rows = [{"case": case, "processes": launch, "simulate_ms": ms, "stages": stages,
              "samples_per_s": rate, "bubble_formula": formula}
             for launch, ms, one, rate, formula in ((2, 10.0, 10.0, 15.0, 1 / 9),
@@ -657,14 +655,14 @@ def test_pipeline_speed_up_is_against_one_process_of_the_same_launch_and_simulat
                                                    (4, None, 300.0, 60.0, 3 / 11))
             for case, stages, rate, formula in (("one-process", 1, one, 0.0),
                                                 ("pipeline", launch, rate, formula))]
-    rows = scaling.add_pipeline_speedups(rows)
+    rows = add_pipeline_speedups(rows)
     assert [r["speedup"] for r in rows] == pytest.approx([1, 1.5, 1, 0.5, 1, 2.5, 1, 0.2])
     assert [r.get("ideal_speedup") for r in rows] == [
         1, pytest.approx(16 / 9), None, None, 1, pytest.approx(32 / 11), None, None]
     # A row's bubble: the median of its repeats', with their spread, and the formula's.
     case = {"case": "pipeline", "stages": 4, "chunks": 2, "microbatches": 8, "global_batch": 16,
             "steps": 2, "simulate_ms": 10.0}
-    row = scaling.summarise_pipeline(case, [0.8, 1.6, 0.4], [3, 9, 15], [0.3, 0.2, 0.5], 4)
+    row = summarise_pipeline(case, [0.8, 1.6, 0.4], [3, 9, 15], [0.3, 0.2, 0.5], 4)
     assert (row["bubble"], row["bubble_min"], row["bubble_max"]) == (0.3, 0.2, 0.5)
     assert row["bubble_formula"] == pytest.approx(3 / 19)
     assert (row["samples_per_s"], row["samples_per_s_min"], row["samples_per_s_max"]) == \
@@ -675,18 +673,17 @@ def test_pipeline_speed_up_is_against_one_process_of_the_same_launch_and_simulat
 # an all-reduce on make_group's group, and rank 0 must give up after that group's timeout (1 s),
 # not new_group's 30-minute default, nor the launch's 20 s. Both then meet on the launch's group.
 GROUP_TIMEOUT = """
-import datetime, importlib.util, multiprocessing, os, sys, time
+import datetime, multiprocessing, os, sys, time
 import torch
 import torch.distributed as dist
 
-spec = importlib.util.spec_from_file_location("scaling", sys.argv[1])
-scaling = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(scaling)
+sys.path.insert(0, sys.argv[1])  # benchmarks/, where scaling.py finds its bench package
+from bench.ranks import find_free_port, make_group
 
 
 def rank(r):
     dist.init_process_group("gloo", rank=r, world_size=2, timeout=datetime.timedelta(seconds=20))
-    group = scaling.make_group(1, backend="gloo")
+    group = make_group(1, backend="gloo")
     if r == 0:
         start = time.monotonic()
         try:
@@ -697,7 +694,7 @@ def rank(r):
     os._exit(0)
 
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(scaling.find_free_port()))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
 ranks = [multiprocessing.get_context("fork").Process(target=rank, args=(r,)) for r in (0, 1)]
 for process in ranks:
     process.start()
@@ -708,7 +705,7 @@ print("exit codes", [process.exitcode for process in ranks])
 
 
 def test_a_group_of_the_benchmark_waits_no_longer_than_its_timeout():
-    result = subprocess.run([sys.executable, "-c", GROUP_TIMEOUT, str(SCRIPT)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-c", GROUP_TIMEOUT, str(BENCHMARKS)], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert "exit codes [0, 0]" in result.stdout, result.stdout + result.stderr
     waited = re.search(r"gave up after ([\d.]+) s: .*Timed out", result.stdout)
@@ -722,15 +719,14 @@ def test_a_rank_aborts_nccl_after_a_failure_and_destroys_otherwise(monkeypatch, 
                                                                     call):
     """As the lessons' leave_group: NCCL's destroy would wait for collectives that the peers
     never join. Shown with the process group's calls recorded, since no NCCL runs here."""
-    scaling = import_script()
     calls = []
-    monkeypatch.setattr(scaling.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(scaling.dist, "get_backend", lambda group=None: backend)
-    monkeypatch.setattr(scaling.dist, "destroy_process_group",
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "destroy_process_group",
                         lambda group=None: calls.append("destroy"))
-    monkeypatch.setattr(scaling.dist.distributed_c10d, "_abort_process_group",
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
                         lambda group=None: calls.append("abort"))
-    scaling.leave_group(failed)
+    leave_group(failed)
     assert calls == [call]
 
 
@@ -758,7 +754,7 @@ def test_bad_arguments_stop_with_one_line(args, fragment):
     """The same check as above for every other flag, in this process: parse_args stops through
     fail(), whose SystemExit message is the line the command prints."""
     with pytest.raises(SystemExit) as exit_info:
-        import_script().parse_args([*args, "--device", "cpu"])
+        parse_args([*args, "--device", "cpu"])
     message = str(exit_info.value)
     assert message.startswith("error: ") and "\n" not in message, message
     assert fragment in message, message
@@ -766,12 +762,11 @@ def test_bad_arguments_stop_with_one_line(args, fragment):
 
 def test_defaults_per_device():
     """GPU-sized work on CUDA; the CPU's small, fast defaults; 5 repeats (3 with --quick)."""
-    scaling = import_script()
     pick = ("batch_size", "image_size", "precision", "channels_last", "steps", "warmup",
             "repeats")
 
     def defaults(*args):
-        settings = scaling.default_settings(*args)
+        settings = default_settings(*args)
         return tuple(settings[name] for name in pick)
 
     assert defaults("cuda", False, True) == (256, 224, "bf16", True, 20, 10, 5)
@@ -785,47 +780,45 @@ def test_defaults_per_device():
 @pytest.fixture
 def pretend_gpus(monkeypatch):
     """parse_args and plan_cases as on a machine with n GPUs of compute capability 9.0."""
-    scaling = import_script()
 
     def with_gpus(count, capability=(9, 0)):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
         monkeypatch.setattr(torch.version, "hip", None)
-        monkeypatch.setattr(scaling.dist, "is_nccl_available", lambda: True)
-        return scaling
+        monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
 
     return with_gpus
 
 
 def test_gpu_arguments_default_to_gpu_sized_work(pretend_gpus):
-    scaling = pretend_gpus(2)
-    args = scaling.parse_args([])
+    pretend_gpus(2)
+    args = parse_args([])
     assert (args.device_type, args.max_world_size) == ("cuda", 2)
     assert (args.batch_size, args.image_size, args.precision, args.channels_last) == \
         (256, 224, "bf16", True)
-    args = scaling.parse_args(["--precision", "fp32", "--no-channels-last", "--batch-size", "64",
+    args = parse_args(["--precision", "fp32", "--no-channels-last", "--batch-size", "64",
                                "--image-size", "112"])
     assert (args.batch_size, args.image_size, args.precision, args.channels_last) == \
         (64, 112, "fp32", False)
-    args = scaling.parse_args(["--device", "cpu"])
+    args = parse_args(["--device", "cpu"])
     assert (args.device_type, args.batch_size, args.image_size, args.precision,
             args.channels_last) == ("cpu", 16, 112, "fp32", False)
 
 
 def test_bf16_on_a_gpu_without_it_is_one_line_error(pretend_gpus, capsys):
-    scaling = pretend_gpus(1, capability=(7, 0))
-    args = scaling.parse_args([])
+    pretend_gpus(1, capability=(7, 0))
+    args = parse_args([])
     assert args.precision == "fp32" and "no native bf16" in args.precision_note
     with pytest.raises(SystemExit) as exit_info:
-        scaling.parse_args(["--precision", "bf16"])
+        parse_args(["--precision", "bf16"])
     assert str(exit_info.value).startswith("error: --precision bf16 needs")
     assert "has 7.0: use --precision fp32" in str(exit_info.value)
 
 
 def test_one_gpu_measures_no_dataparallel_no_bandwidth_and_no_knobs(pretend_gpus):
-    scaling = pretend_gpus(1)
-    args = scaling.parse_args([])
-    plan, backend, skipped = scaling.plan_cases(args, "cuda", CORES)
+    pretend_gpus(1)
+    args = parse_args([])
+    plan, backend, skipped = plan_cases(args, "cuda", CORES)
     cases = [case for cases in plan.values() for case in cases]
     assert backend == "nccl" and list(plan) == [1]
     assert {(c["model"], c["case"]) for c in cases} == {
@@ -838,9 +831,9 @@ def test_one_gpu_measures_no_dataparallel_no_bandwidth_and_no_knobs(pretend_gpus
 
 
 def test_two_gpus_plan_dataparallel_bandwidth_and_knobs_at_two(pretend_gpus):
-    scaling = pretend_gpus(2)
-    args = scaling.parse_args([])
-    plan, _, skipped = scaling.plan_cases(args, "cuda", CORES)
+    pretend_gpus(2)
+    args = parse_args([])
+    plan, _, skipped = plan_cases(args, "cuda", CORES)
     cases = [case for cases in plan.values() for case in cases]
     # Only lesson 09's layouts that 2 GPUs cannot have: tp on 1, 2d below 4, none on ResNet-18.
     assert [line.split(":")[0] for line in skipped] == [
@@ -872,28 +865,26 @@ def test_lesson08_modes_are_planned_beside_ddp_per_worker_and_the_ceiling():
     """--grad-sync: lesson 08's modes on ResNet-18 in the largest launch, with the per-worker
     threads, so that they are measured in the same rounds as ddp-per-worker and the ceiling;
     none by default, so that the default run's time does not grow."""
-    scaling = import_script()
-    args = scaling.parse_args(["--device", "cpu", "--max-world-size", "2", "--grad-sync",
+    args = parse_args(["--device", "cpu", "--max-world-size", "2", "--grad-sync",
                                "after-backward,buckets,ddp", "--knobs", "none"])
-    plan, _, _ = scaling.plan_cases(args, "cpu", CORES)
+    plan, _, _ = plan_cases(args, "cpu", CORES)
     lesson = [c for c in plan[2] if c["case"] == "lesson08"]
     assert [(c["model"], c["knob"], c["knob_value"], c["world_size"]) for c in lesson] == \
         [("resnet18", "grad_sync", mode, 2) for mode in ("after-backward", "buckets", "ddp")]
     per_worker = next(c for c in plan[2] if c["case"] == "ddp-per-worker")
     assert all(c["threads_per_rank"] == per_worker["threads_per_rank"] for c in lesson)
-    assert scaling.case_name(lesson[1]) == "lesson08 buckets"
-    default = scaling.parse_args(["--device", "cpu"])
+    assert case_name(lesson[1]) == "lesson08 buckets"
+    default = parse_args(["--device", "cpu"])
     assert default.grad_sync == []
     with pytest.raises(SystemExit, match="--grad-sync: unknown fast"):
-        scaling.parse_args(["--device", "cpu", "--grad-sync", "fast"])
+        parse_args(["--device", "cpu", "--grad-sync", "fast"])
 
 
 def test_channels_last_converts_the_weights_and_the_images():
-    scaling = import_script()
     device = torch.device("cpu")
     features = torch.randn(2, 3, 32, 32)
     for channels_last in (False, True):
-        model, images = scaling.prepare(scaling.build_model("resnet18"), features,
+        model, images = prepare(build_model("resnet18"), features,
                                         {"channels_last": channels_last}, device)
         assert model.conv1.weight.is_contiguous(memory_format=torch.channels_last) == \
             channels_last
@@ -905,7 +896,6 @@ def test_autocast_dtype_is_per_thread_so_dataparallel_gets_it_in_forward():
     without a dtype. Autocast's dtype is thread-local, so a new thread sees CUDA's default,
     float16, even while the caller asked for bf16 (no GPU needed to see it: it is the state
     autocast would use). AutocastForward enters bf16 autocast in the calling thread itself."""
-    scaling = import_script()
     seen = {}
     before = torch.get_autocast_dtype("cuda")
     torch.set_autocast_dtype("cuda", torch.bfloat16)
@@ -920,7 +910,7 @@ def test_autocast_dtype_is_per_thread_so_dataparallel_gets_it_in_forward():
 
     # The wrapper, on the CPU (autocast on its input's device), in a new thread whose default
     # autocast dtype is float16, as a DataParallel replica's thread is on CUDA: it runs bf16.
-    wrapped = scaling.AutocastForward(torch.nn.Linear(4, 2))
+    wrapped = AutocastForward(torch.nn.Linear(4, 2))
 
     def replica():
         torch.set_autocast_dtype("cpu", torch.float16)
@@ -936,9 +926,9 @@ def test_autocast_dtype_is_per_thread_so_dataparallel_gets_it_in_forward():
     # keeps its module and drives no device; what matters here is what it wraps.)
     for precision, wrapper in (("bf16", True), ("fp32", False)):
         case = {"case": "dataparallel", "world_size": 2, "precision": precision}
-        model = scaling.wrap_model(torch.nn.Linear(4, 2), case, torch.device("cpu"))
+        model = wrap_model(torch.nn.Linear(4, 2), case, torch.device("cpu"))
         assert isinstance(model, torch.nn.DataParallel)
-        assert isinstance(model.module, scaling.AutocastForward) == wrapper
+        assert isinstance(model.module, AutocastForward) == wrapper
 
 
 @pytest.mark.gpu

@@ -97,6 +97,15 @@ def test_each_step_of_a_lesson_reads_alone(lesson):
             assert lines <= 300, f"{lesson.name}/{module.name}: {lines} lines, over 300"
 
 
+def test_each_part_of_the_benchmark_reads_alone():
+    # benchmarks/scaling.py is the run; each job is a file of its own in benchmarks/bench/.
+    files = sorted((ROOT / "benchmarks").rglob("*.py"))
+    assert len(files) > 2, "benchmarks/bench/ is missing"
+    for path in files:
+        lines = len(path.read_text().splitlines())
+        assert lines <= 600, f"{path.relative_to(ROOT)}: {lines} lines, over 600"
+
+
 @pytest.mark.parametrize("script", LESSON_SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_lessons_stand_alone(script: Path):
     # A learner can copy one lesson folder and run it: no imports from another lesson, tests/
