@@ -48,6 +48,7 @@ from torch.utils.data.distributed import DistributedSampler
 from guard_rails import (
     agree_on_checkpoint,
     check_args,
+    check_backends_agree,
     check_master_port,
     check_sharding,
     check_tensor_parallel,
@@ -83,7 +84,7 @@ def choose_backend(requested, world_size, flag="--world-size"):
         return "nccl"
     if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
         return "nccl"
-    if requested == "auto" and gpus > 0:
+    if requested == "auto" and gpus > 0 and os.environ.get("RANK", "0") == "0":  # torchrun: once
         print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
               "so the ranks train on the CPU with gloo")
     return "gloo"
@@ -516,6 +517,7 @@ def launch(args):
         check_tensor_parallel(args)  # --dp (default: WORLD_SIZE / --tp) x --tp = WORLD_SIZE
         args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
                                       "torchrun's --nproc-per-node")
+        check_backends_agree(args.backend, args.timeout)  # every node chose the same one
         check_sharding(args, latest_checkpoint)
         worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
         return

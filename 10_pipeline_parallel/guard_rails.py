@@ -9,7 +9,7 @@ it when a message surprises you.
 Its parts, in this order, and the lessons that use each:
     flags, the launcher, --out-dir, Ctrl-C      every lesson
     flags of one lesson that cannot work        06, 07, 09, 10
-    ranks that fail, stall or lose each other   02 to 10, and benchmarks/scaling.py
+    ranks that fail, stall or lose each other   02 to 10, and benchmarks/
     nodes                                       03
     a save that fails                           every lesson
     resuming from one file                      04; its restart store: 04, 07, 09, 10
@@ -47,6 +47,11 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 # And FSDP warns that a layer split by TP "returned a view tensor" (TP's output, as a plain tensor,
 # is a view of the DTensor's), which an in-place op could break: the lesson's model makes none.
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view")
+# Lesson 10 (tools/repro_nccl_p2p_warning.py shows it, on 2 GPUs): with NCCL and device_id, every
+# rank warns once that its "unbatched P2P op (send/recv)" shares the group's communicator and is
+# "serialized" with the others: the pipeline's sends and receives are ordered by the schedule
+# anyway. NCCL reads this switch when the process group is made (pytorch/pytorch#132900, #156748).
+os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
 
 # ---------------------------------------------------------------------------------------------
 # Flags, the launcher, --out-dir, Ctrl-C: every lesson
@@ -228,6 +233,20 @@ def check_tensor_parallel(args):
     if args.tp > 1 and args.layers % 2 == 0:
         fail(f"--layers {args.layers} makes {args.layers + 1} linear layers, and tensor "
              "parallelism splits them in pairs (column-wise, then row-wise); use an odd --layers")
+    if started_by_torchrun() and os.environ.get("RANK") == "0":  # one line, not one per rank
+        note_groups_across_nodes(args.tp, args.dp, int(os.environ["LOCAL_WORLD_SIZE"]))
+
+
+def note_groups_across_nodes(tp, dp, per_node):
+    """Say so when a TP group spans nodes: group d is ranks d*tp .. d*tp + tp - 1, and torchrun
+    gives node n ranks n*per_node onwards (every node the same --nproc-per-node: check_nodes)."""
+    groups = [list(range(d * tp, (d + 1) * tp)) for d in range(dp)]
+    across = [g for g in groups if g[0] // per_node != g[-1] // per_node]
+    if across:
+        print(f"note: --tp {tp} does not divide the {per_node} ranks of a node: TP group "
+              f"{across[0]} spans nodes {across[0][0] // per_node} to {across[0][-1] // per_node}, "
+              "and its all-reduces cross the network at every layer; a --tp that divides "
+              "--nproc-per-node keeps each group on one node", flush=True)
 
 
 def check_pipeline(args):
@@ -251,13 +270,18 @@ def check_pipeline(args):
         fail(f"--microbatches {args.microbatches} does not divide --batch-size {args.batch_size}: "
              "every micro-batch must have the same shape (the pipeline fixes it at the first "
              "step); choose a --batch-size that is a multiple of --microbatches")
-    # torch's Schedule1F1B and ScheduleInterleaved1F1B raise a ValueError otherwise (schedules.py).
-    if args.schedule in ("1f1b", "interleaved") and args.microbatches < args.stages:
-        fail(f"--schedule {args.schedule} needs at least one micro-batch per stage: "
-             f"--microbatches {args.microbatches} is fewer than --stages {args.stages}")
-    if args.schedule == "interleaved" and args.microbatches % args.stages:
-        fail(f"--schedule interleaved runs micro-batches in rounds of --stages: --microbatches "
-             f"{args.microbatches} is not a multiple of --stages {args.stages}")
+    # What torch's schedules raise a ValueError for (torch 2.14, pipelining/schedules.py):
+    # Schedule1F1B, fewer micro-batches than stages; ScheduleInterleaved1F1B, micro-batches
+    # that do not split into max(1, m // p) equal rounds (p = 2 takes m = 1, 2, 3, 4, 6, not 5).
+    if args.schedule == "1f1b" and args.microbatches < args.stages:
+        fail(f"--schedule 1f1b needs at least one micro-batch per stage (torch's Schedule1F1B "
+             f"refuses fewer): --microbatches {args.microbatches} is fewer than --stages "
+             f"{args.stages}")
+    rounds = max(1, args.microbatches // args.stages)
+    if args.schedule == "interleaved" and args.microbatches % rounds:
+        fail(f"--schedule interleaved runs the micro-batches in {rounds} equal rounds "
+             f"(--microbatches // --stages): --microbatches {args.microbatches} does not split "
+             f"into them; use a multiple of {rounds}, such as {rounds * args.stages}")
     if args.simulate_ms is not None and args.simulate_ms < 0:
         fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
 
@@ -552,6 +576,32 @@ def wait_for_master(address, port, timeout, node_rank):
                       f"{address}:{port} (start node 0 there)", flush=True)
                 said = True
             time.sleep(0.5)
+
+
+def check_backends_agree(backend, timeout):
+    """Under torchrun on several nodes, before any process group: stop every rank with one line
+    if the nodes chose different backends (--backend auto picks NCCL on a node with a GPU per
+    rank, gloo on one without), since their ranks could never meet. The nodes compare their
+    choices in torchrun's own store, which its agent hosts at MASTER_ADDR:MASTER_PORT (torch 2.14,
+    unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: then nothing is compared here)."""
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if nodes == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    try:
+        store = dist.PrefixStore(
+            f"backend_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",  # keys per attempt
+            dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout)))
+        store.set(f"node_{os.environ['GROUP_RANK']}", backend)  # each rank of a node: the same
+        chosen = [store.get(f"node_{node}").decode() for node in range(nodes)]
+    except dist.DistError:  # the store unreachable, or a node's key not there in time
+        fail(f"a node did not start its ranks within --timeout {timeout} s; start every node "
+             "with the same --nnodes, --nproc-per-node, --master-addr and --master-port")
+    if len(set(chosen)) > 1:
+        table = ", ".join(f"node {node} {name}" for node, name in enumerate(chosen))
+        fail(f"the nodes chose different backends ({table}): a node without a GPU per rank falls "
+             "back to gloo; give every node as many GPUs as ranks, or --backend gloo on all")
 
 
 def node_guard(rank, args):

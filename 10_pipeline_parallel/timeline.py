@@ -24,13 +24,22 @@ class SimulatedCompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, seconds, record):
         ctx.seconds, ctx.record = seconds, record
+        wait_for_device(x)
         record("F", seconds)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        wait_for_device(grad)
         ctx.record("B", 2 * ctx.seconds)  # backward: two products per layer, forward's one
         return grad, None, None
+
+
+def wait_for_device(tensor):
+    """On a GPU, first let its stream run what was queued: with NCCL a recv holds the stream,
+    not this thread, and the clock would start before the input came (a bubble near 0)."""
+    if tensor.device.type == "cuda":
+        torch.cuda.current_stream(tensor.device).synchronize()
 
 
 def simulate_compute(stage, stage_id, ms, events):

@@ -46,6 +46,7 @@ from torch.utils.data.distributed import DistributedSampler
 from guard_rails import (
     agree_on_checkpoint,
     check_args,
+    check_backends_agree,
     check_master_port,
     check_pipeline,
     check_sharding,
@@ -86,7 +87,7 @@ def choose_backend(requested, world_size, flag="--dp x --stages"):
         return "nccl"
     if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
         return "nccl"
-    if requested == "auto" and gpus > 0:
+    if requested == "auto" and gpus > 0 and os.environ.get("RANK", "0") == "0":  # torchrun: once
         print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
               "so the ranks train on the CPU with gloo")
     return "gloo"
@@ -489,6 +490,7 @@ def launch(args):
         check_pipeline(args)  # --dp (default: WORLD_SIZE / --stages) x --stages = WORLD_SIZE
         args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
                                       "torchrun's --nproc-per-node")
+        check_backends_agree(args.backend, args.timeout)  # every node chose the same one
         check_sharding(args, latest_checkpoint)
         worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
         return

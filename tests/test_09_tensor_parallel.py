@@ -199,9 +199,71 @@ def test_under_torchrun_dp_is_its_ranks_over_tp_or_one_line(monkeypatch):
     assert stop.value.code.startswith("error: --dp 3 x --tp 2 = 6 ranks, but torchrun started 8")
 
 
+def test_a_tp_group_across_nodes_is_named_once_by_rank_0(monkeypatch, capsys):
+    # torchrun numbers each node's ranks in turn; TP group d is ranks d*tp .. d*tp + tp - 1.
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    for tp, dp, per_node, group in [(4, 3, 6, "[4, 5, 6, 7] spans nodes 0 to 1"),
+                                    (2, 3, 3, "[2, 3] spans nodes 0 to 1"), (2, 4, 4, None)]:
+        guard_rails.note_groups_across_nodes(tp, dp, per_node)
+        printed = capsys.readouterr().out
+        assert (f"TP group {group}" in printed) if group else printed == "", (tp, per_node)
+    # Under torchrun, from check_tensor_parallel: rank 0 says it, the other ranks do not.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    for rank, said in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        args = lesson.parse_args(["--tp", "4", "--hidden", "64"])
+        args.world_size = 12
+        guard_rails.check_tensor_parallel(args)
+        assert ("TP group [4, 5, 6, 7] spans nodes 0 to 1" in capsys.readouterr().out) == said
+
+
+# Two "nodes" (forked processes) compare the backend each chose through a store that stands for
+# torchrun's agent store: the same, both go on; different, both stop with one line. A second
+# attempt (TORCHELASTIC_RESTART_COUNT) reads its own keys, not the first one's.
+NODES_COMPARE = """
+import multiprocessing, os, sys
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import guard_rails
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE="2",
+                  GROUP_WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True")
+
+
+def node(n, backend):
+    os.environ.update(GROUP_RANK=str(n), RANK=str(n))
+    guard_rails.check_backends_agree(backend, 20)
+    print(f"node {n} goes on", flush=True)
+
+
+for attempt, backends in enumerate([("gloo", "gloo"), ("nccl", "gloo")]):
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    nodes = [multiprocessing.get_context("fork").Process(target=node, args=(n, backend))
+             for n, backend in enumerate(backends)]
+    for process in nodes:
+        process.start()
+    for process in nodes:
+        process.join(60)
+    print(f"attempt {attempt}: exit codes", [process.exitcode for process in nodes], flush=True)
+"""
+
+
+def test_nodes_that_chose_different_backends_stop_in_one_line():
+    result = subprocess.run([sys.executable, "-c", NODES_COMPARE, str(ROOT / LESSON)],
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert "attempt 0: exit codes [0, 0]" in result.stdout, output
+    assert result.stdout.count("goes on") == 2, output
+    assert "attempt 1: exit codes [1, 1]" in result.stdout, output
+    assert result.stderr.count("error: the nodes chose different backends (node 0 nccl, node 1 "
+                               "gloo)") == 2, output
+
+
 # Three gloo ranks forked from one process build a 1 x 2 mesh: ranks 0 and 1 are its TP group,
 # rank 2 makes every group too (new_group's rule) and gets None, as the benchmark's ranks beyond
-# a smaller case's mesh do (benchmarks/scaling.py imports build_mesh).
+# a smaller case's mesh do (benchmarks/bench/ranks.py calls build_mesh).
 BEYOND_THE_MESH = """
 import datetime, multiprocessing, os, sys
 import torch

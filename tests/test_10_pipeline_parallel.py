@@ -34,9 +34,11 @@ epochs)."""
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import (
     GPUS,
@@ -74,6 +76,10 @@ PADDED = ["--stages", 2, "--layers", 3, "--batch-size", 48, "--microbatches", 2,
 ORDER = ["--stages", 4, "--layers", 7, "--microbatches", 8, "--simulate-ms", 0, "--epochs", 1]
 # Lesson 01's model (fc1 | fc2, one layer a stage), for final.pt in lesson 01 and torchrun.
 LAYERS_1 = ["--stages", 2, "--layers", 1, "--microbatches", 2]
+# Interleaved on 2 stages with micro-batch counts that are no multiple of them, which torch's
+# ScheduleInterleaved1F1B takes (m in max(1, m // p) equal rounds): 1 of 142, 3 of 48 (144).
+UNROUNDED = {1: ["--batch-size", 142, "--microbatches", 1],
+             3: ["--batch-size", 144, "--microbatches", 3]}
 LESSON_08 = ["--lesson", "08", "--world-size"]  # a run of lesson 08 (tests/every_schedule.py)
 RUNS = [  # (name, flags), in the order tests/every_schedule.py runs them
     *((f"4_stages_{s}", [*FOUR_STAGES, "--schedule", s]) for s in SCHEDULES),
@@ -83,6 +89,8 @@ RUNS = [  # (name, flags), in the order tests/every_schedule.py runs them
     ("relayout", ["--stages", 4, "--layers", 3, "--batch-size", 142, "--microbatches", 2,
                   "--schedule", "afab", "--epochs", 10]),
     *((f"2_stages_{s}", [*TWO_STAGES, "--schedule", s]) for s in SCHEDULES),
+    *((f"interleaved_m{m}", ["--stages", 2, "--layers", 3, "--schedule", "interleaved",
+                             "--simulate-ms", 0, *flags]) for m, flags in UNROUNDED.items()),
     ("padded", PADDED),
     ("padded_torch_loss", [*PADDED, "--patch", "torch-loss"]),
     ("layers_1", LAYERS_1),
@@ -116,6 +124,8 @@ READS = {
     "test_unequal_micro_batches_need_the_batchs_mean_not_torchs_default":
         lambda: {"padded", "padded_torch_loss", "08_padded"},
     "test_each_rank_runs_the_order_its_schedule_defines": lambda schedule: {f"order_{schedule}"},
+    "test_interleaved_takes_every_micro_batch_count_torch_does":
+        lambda microbatches: {f"interleaved_m{microbatches}", "08_layers_3"},
     "test_a_resume_ends_bitwise_on_the_run_that_never_stopped":
         lambda: {"resume", "2_stages_1f1b"},
     "test_a_checkpoint_loads_into_another_stages_and_schedule":
@@ -293,6 +303,42 @@ def test_each_rank_runs_the_order_its_schedule_defines(every_run, schedule):
     assert f"as {schedule} defines: NO" not in every_run[0].stdout
 
 
+@pytest.mark.parametrize("microbatches", sorted(UNROUNDED))
+def test_interleaved_takes_every_micro_batch_count_torch_does(every_run, microbatches):
+    # gloo, 2 ranks of 2 chunks each: fewer micro-batches than stages (1), or a count they do not
+    # divide (3), in torch's own plan, which each rank follows, still one process's steps.
+    folder = runs(every_run)
+    out_dir = folder / f"interleaved_m{microbatches}"
+    metrics = assert_pipeline_run(out_dir, 2, stages=2, schedule="interleaved",
+                                  microbatches=microbatches)
+    assert all(order["recorded"] == order["defined"]
+               for order in metrics["schedule_report"]["order"])
+    assert max_weight_difference(out_dir, folder / "08_layers_3") < TOLERANCE
+
+
+def test_the_simulated_clock_starts_when_the_gpus_stream_has_the_input(monkeypatch):
+    # With NCCL a recv holds the GPU's stream, not the host: each simulated forward and backward
+    # first waits for the stream (wait_for_device), or the bubble would read near 0 on GPUs.
+    # Without a GPU: the stream is recorded, for a tensor on "cuda" and one on the CPU.
+    import_lesson(LESSON)
+    timeline = sys.modules["timeline"]
+    synced = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
+        synchronize=lambda: synced.append(device)))
+    timeline.wait_for_device(types.SimpleNamespace(device=torch.device("cuda", 1)))
+    timeline.wait_for_device(torch.zeros(1))
+    assert synced == [torch.device("cuda", 1)]
+    # ... and the simulated compute waits, forward and backward, before it reads the clock.
+    waited, events = [], []
+    monkeypatch.setattr(timeline, "wait_for_device", lambda t: waited.append((t.shape, events[:])))
+    stage = torch.nn.Linear(2, 2)
+    stage.layers = [stage]
+    timeline.simulate_compute(stage, 0, 0, events)
+    stage(torch.ones(3, 2)).sum().backward()
+    assert [(shape, [e.kind for e in before]) for shape, before in waited] == [
+        ((3, 2), []), ((3, 2), ["F"])]
+
+
 # ---------------------------------------------------------------------------------------------
 # The checkpoint: a resume, from the same or another layout, and final.pt
 # ---------------------------------------------------------------------------------------------
@@ -359,10 +405,12 @@ def test_layers_that_do_not_split_over_the_stages_get_one_line(tmp_path):
      "4, such as --layers 3"),
     (["--microbatches", 3], "--microbatches 3 does not divide --batch-size 32"),
     (["--stages", 4, "--layers", 7, "--microbatches", 2],
-     "--schedule 1f1b needs at least one micro-batch per stage: --microbatches 2 is fewer than "
-     "--stages 4"),
-    (["--schedule", "interleaved", "--microbatches", 3, "--batch-size", 30],
-     "--microbatches 3 is not a multiple of --stages 2"),
+     "--schedule 1f1b needs at least one micro-batch per stage (torch's Schedule1F1B refuses "
+     "fewer): --microbatches 2 is fewer than --stages 4"),
+    # torch's ScheduleInterleaved1F1B: m micro-batches in max(1, m // p) equal rounds.
+    (["--schedule", "interleaved", "--microbatches", 5, "--batch-size", 30],
+     "--schedule interleaved runs the micro-batches in 2 equal rounds (--microbatches // "
+     "--stages): --microbatches 5 does not split into them; use a multiple of 2, such as 4"),
     (["--simulate-ms", -1], "--simulate-ms must be at least 0 (got -1)"),
 ])
 def test_pipelines_that_cannot_work_get_one_line(flags, line):
@@ -423,3 +471,28 @@ def test_gpu_two_stages_take_the_steps_of_one_process(lesson_run, schedule):
     metrics = read_metrics(out_dir)
     assert (metrics["backend"], metrics["device"], metrics["world_size"]) == ("nccl", "cuda", 2)
     assert max_weight_difference(out_dir, gpu_reference(lesson_run)) < GPU_TOLERANCE
+    # guard_rails.py switches off NCCL's warning about unbatched sends (one per rank), and a
+    # simulated bubble waits for each GPU's stream, so it is measured, not near 0.
+    assert "unbatched P2P op" not in result.stdout + result.stderr
+
+
+@needs_two
+@pytest.mark.gpu
+def test_gpu_nccl_warns_about_unbatched_sends_unless_switched_off():
+    # What guard_rails.py relies on (tools/repro_nccl_p2p_warning.py): the warning by default,
+    # none with TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING=false.
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_nccl_p2p_warning.py")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_two
+@pytest.mark.gpu
+def test_gpu_the_simulated_bubble_is_measured_on_nccl(lesson_run):
+    # Each layer sleeps 5 ms; without the wait for the stream, NCCL's recv would return at once
+    # and every stage look busy all step: a bubble near 0. The formula here: 1/3.
+    result, out_dir = lesson_run(LESSON, "--backend", "nccl", *TWO_STAGES, "--simulate-ms", 5,
+                                 "--epochs", 2)
+    check_ok(result)
+    report = read_metrics(out_dir)["schedule_report"]
+    assert report["measured"] > 0.5 * report["formula"], report["measured"]

@@ -478,4 +478,25 @@ MUTANTS = [
                "test_layers_that_do_not_split_over_the_stages_get_one_line",),
         kind="refactor",
     ),
+    Mutant(
+        id="10-clock-before-the-stream",
+        file="10_pipeline_parallel/timeline.py",
+        find='if tensor.device.type == "cuda":',
+        replace="if False:",
+        claim="On a GPU each simulated layer's clock starts once its stream has the input.",
+        readme="10_pipeline_parallel/README.md#the-bubble-measured",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_the_simulated_clock_starts_when_the_gpus_stream_has_the_input",),
+    ),
+    Mutant(
+        id="09-nodes-backends-not-compared",
+        file="09_tensor_parallel/guard_rails.py",
+        find="    if len(set(chosen)) > 1:",
+        replace="    if False:",
+        claim="Nodes that chose different backends stop in one line.",
+        readme="09_tensor_parallel/README.md#torchrun-on-one-machine-or-several",
+        tests=("tests/test_09_tensor_parallel.py::"
+               "test_nodes_that_chose_different_backends_stop_in_one_line",),
+        kind="refactor",
+    ),
 ]

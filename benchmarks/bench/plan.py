@@ -251,16 +251,18 @@ def tensor_parallel_sizes(layout, top):
 
 def pipeline_problem(schedule, stages, args):
     """Why lesson 10's schedule cannot run on this many stages, or None (its check_pipeline's
-    rules): the linear layers split evenly over the stages (interleaved: 2 per rank), 1f1b and
-    interleaved need a micro-batch per stage, interleaved a multiple of the stages."""
+    rules): the linear layers split evenly over the stages (interleaved: 2 per rank); as torch
+    requires, 1f1b a micro-batch per stage, interleaved micro-batches that split into
+    max(1, m // stages) equal rounds."""
     pieces, linears = stages * (2 if schedule == "interleaved" else 1), args.pipeline_layers + 1
     if linears % pieces:
         return f"{linears} linear layers (--pipeline-layers {args.pipeline_layers}) do not " \
                f"split evenly into {pieces} stages"
-    if schedule in ("1f1b", "interleaved") and args.microbatches < stages:
-        return f"{schedule} needs at least one micro-batch per stage (--microbatches " \
+    if schedule == "1f1b" and args.microbatches < stages:
+        return f"1f1b needs at least one micro-batch per stage (--microbatches " \
                f"{args.microbatches})"
-    if schedule == "interleaved" and args.microbatches % stages:
-        return f"interleaved runs micro-batches in rounds of the stages (--microbatches " \
-               f"{args.microbatches} is not a multiple of {stages})"
+    rounds = max(1, args.microbatches // stages)
+    if schedule == "interleaved" and args.microbatches % rounds:
+        return f"interleaved runs the micro-batches in {rounds} equal rounds (--microbatches " \
+               f"{args.microbatches} does not split into them)"
     return None
