@@ -385,12 +385,14 @@ def check_data(trained, wines, epochs, lesson_rows_per_epoch):
                           readme("02_multi_gpu_spawn",
                                  "each-rank-its-own-slice-distributedsampler-and-set_epoch"))
         if rows != epochs * lesson_rows_per_epoch:
+            # No listed mistake reads this many (a sampler of one rank, above, reads them all):
+            # say what differs and where, not a cause this count does not single out.
             raise Mistake(f"rank {log['rank']} read {rows} training wines in {epochs} epochs, "
                           f"the lesson's ranks {epochs * lesson_rows_per_epoch}",
-                          "the sampler's num_replicas must be the world size, and --batch-size "
-                          "is per rank", readme("02_multi_gpu_spawn",
-                                                "each-rank-its-own-slice-distributedsampler-"
-                                                "and-set_epoch"))
+                          "your training loader deals or batches the wines otherwise than the "
+                          "lesson's: compare its sampler (num_replicas the world size, rank the "
+                          "global rank), --batch-size (per rank) and the DataLoader's other "
+                          "arguments", "the lesson's prepare_dataloader()")
     per_rank = [epochs_of(log, wines, lesson_rows_per_epoch) for log in trained]
     for epoch in range(epochs):
         seen = [set(ranks[epoch]) for ranks in per_rank]

@@ -23,6 +23,7 @@ from helpers import (
     assert_one_line_error,
     error_lines,
     evaluate_single_process,
+    free_port,
     import_guard_rails,
     import_lesson,
     interrupt_when,
@@ -170,6 +171,49 @@ def test_trainer_calls_set_epoch_every_epoch(tmp_path):
         assert calls == [0, 1, 2]
     finally:
         dist.destroy_process_group()
+
+
+# The README's three init_methods, each on 2 forked gloo ranks that all-reduce their rank + 1.
+MEET = """
+import datetime, multiprocessing, os, sys
+import torch
+import torch.distributed as dist
+
+
+def rank(r, url):
+    dist.init_process_group("gloo", init_method=url, rank=r, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    total = torch.tensor([r + 1.0])
+    dist.all_reduce(total)
+    os.write(1, f"{url.split(':')[0]} {r} {int(total.item())}\\n".encode())  # one line at once
+    dist.destroy_process_group()
+
+
+port, path = sys.argv[1], sys.argv[2]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+for url in ("env://", f"tcp://127.0.0.1:{port}", f"file://{path}"):
+    ranks = [multiprocessing.get_context("fork").Process(target=rank, args=(r, url))
+             for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(90)
+    print(url.split(":")[0], "exit codes", [p.exitcode for p in ranks], flush=True)
+print("file left behind:", os.path.exists(path))
+"""
+
+
+def test_the_ranks_meet_through_env_tcp_and_file(tmp_path):
+    path = tmp_path / "meet"
+    result = subprocess.run([sys.executable, "-c", MEET, str(free_port()), str(path)],
+                            capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    for method in ("env", "tcp", "file"):
+        assert f"{method} exit codes [0, 0]" in result.stdout, output
+        assert sorted(re.findall(rf"^{method} \d \d+$", result.stdout, re.M)) == [
+            f"{method} 0 3", f"{method} 1 3"], output
+    # file://'s FileStore: torch removes the file once every rank has left.
+    assert "file left behind: False" in result.stdout, output
 
 
 def test_master_port_in_use_gets_one_clear_line(tmp_path):

@@ -318,8 +318,8 @@ from bench.rows import add_speedups
 
 out_dir = sys.argv[2]
 args = parse_args([*sys.argv[3:], "--device", "cpu", "--max-world-size", "4",
-                  "--models", "wine-mlp", "--knobs", "none", "--sharded", "none",
-                  "--out-dir", out_dir])
+                   "--models", "wine-mlp", "--knobs", "none", "--sharded", "none",
+                   "--out-dir", out_dir])
 plan, _, _ = plan_cases(args, "cpu", cpu_cores())
 launch = [c for c in plan[4] if c["case"] in ("ddp", "tp", "2d") and c["world_size"] == 4]
 for index, case in enumerate(launch, 1):
@@ -610,7 +610,7 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
     and not; the rest listed as skipped with the reason. None by default, so that the default
     run's time does not grow."""
     args = parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
-                               ",".join(SCHEDULES), "--knobs", "none"])
+                       ",".join(SCHEDULES), "--knobs", "none"])
     assert (args.pipeline_layers, args.microbatches, args.simulate_ms) == (7, 8, 10)
     plan, _, skipped = plan_cases(args, "cpu", CORES)
     for launch in (1, 2, 3, 4):
@@ -628,8 +628,8 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
         "not split evenly into 3 stages", "pipeline interleaved at world size 3: 8 linear "
         "layers (--pipeline-layers 7) do not split evenly into 6 stages"]
     args = parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
-                               ",".join(SCHEDULES), "--pipeline-layers", "3",
-                               "--microbatches", "2"])
+                       ",".join(SCHEDULES), "--pipeline-layers", "3",
+                       "--microbatches", "2"])
     plan, _, skipped = plan_cases(args, "cpu", CORES)
     assert {c["schedule"] for c in plan[4] if c["case"] == "pipeline"} == {"afab", "gpipe"}
     assert [line for line in skipped if "at world size 4" in line] == [
@@ -638,7 +638,7 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
         "(--pipeline-layers 3) do not split evenly into 8 stages"]
     assert parse_args(["--device", "cpu"]).pipeline == []
     one_rank = parse_args(["--device", "cpu", "--max-world-size", "1", "--pipeline",
-                                   "gpipe"])
+                           "gpipe"])
     _, _, skipped = plan_cases(one_rank, "cpu", CORES)
     assert any(line.startswith("pipeline (gpipe): one rank holds the whole model")
                for line in skipped), skipped
@@ -797,7 +797,7 @@ def test_gpu_arguments_default_to_gpu_sized_work(pretend_gpus):
     assert (args.batch_size, args.image_size, args.precision, args.channels_last) == \
         (256, 224, "bf16", True)
     args = parse_args(["--precision", "fp32", "--no-channels-last", "--batch-size", "64",
-                               "--image-size", "112"])
+                       "--image-size", "112"])
     assert (args.batch_size, args.image_size, args.precision, args.channels_last) == \
         (64, 112, "fp32", False)
     args = parse_args(["--device", "cpu"])
@@ -866,7 +866,7 @@ def test_lesson08_modes_are_planned_beside_ddp_per_worker_and_the_ceiling():
     threads, so that they are measured in the same rounds as ddp-per-worker and the ceiling;
     none by default, so that the default run's time does not grow."""
     args = parse_args(["--device", "cpu", "--max-world-size", "2", "--grad-sync",
-                               "after-backward,buckets,ddp", "--knobs", "none"])
+                       "after-backward,buckets,ddp", "--knobs", "none"])
     plan, _, _ = plan_cases(args, "cpu", CORES)
     lesson = [c for c in plan[2] if c["case"] == "lesson08"]
     assert [(c["model"], c["knob"], c["knob_value"], c["world_size"]) for c in lesson] == \
