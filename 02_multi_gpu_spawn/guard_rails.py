@@ -10,7 +10,7 @@ Its parts, in this order, and the lessons that use each:
     flags, the launcher, --out-dir, Ctrl-C      every lesson
     flags of one lesson that cannot work        06, 07, 09, 10
     ranks that fail, stall or lose each other   02 to 10, and benchmarks/
-    nodes                                       03
+    nodes                                       03; nodes' backends compared: 09, 10
     a save that fails                           every lesson
     resuming from one file                      04; its restart store: 04, 07, 09, 10
     sharded checkpoints (DCP)                   07, 09, 10
@@ -476,7 +476,7 @@ def how_it_died(exit_code, what="rank"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Nodes: node flags that cannot work, a rank 0 that cannot be reached, nodes that disagree: 03
+# Nodes: node flags that cannot work, rank 0 out of reach, nodes that disagree: 03, 09, 10
 # ---------------------------------------------------------------------------------------------
 NODE_FLAGS = ("--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port")
 
