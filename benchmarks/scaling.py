@@ -35,7 +35,7 @@ last launch before its rounds and again after them: if the two medians differ by
 the machine was too busy for the figures, and the run says so.
 
 Run it:
-    python benchmarks/scaling.py --quick                  # about 3 minutes on a 2-core laptop
+    python benchmarks/scaling.py --quick                  # about 2 minutes on a 2-core laptop
     python benchmarks/scaling.py                          # the full default, minutes
     python benchmarks/scaling.py --models resnet18 --max-world-size 4
     python benchmarks/scaling.py --models wine-mlp --max-world-size 4   # tp on 2 and 4, 2d on 4

@@ -74,8 +74,8 @@ def build_parser():
 
 def add_run_flags(group):
     group.add_argument("--quick", action="store_true",
-                       help="fewer repeats and steps, and on the CPU smaller inputs: about a "
-                            "minute on a 2-core laptop; sets the defaults below marked "
+                       help="fewer repeats and steps, and on the CPU smaller inputs: about 2 "
+                            "minutes on a 2-core laptop; sets the defaults below marked "
                             "(quick: ...)")
     group.add_argument("--out-dir", default="runs/benchmarks",
                        help="folder for results.json/.csv, allreduce.json/.csv, run.json and "
