@@ -50,7 +50,7 @@ warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returne
 # Lesson 10 (tools/repro_nccl_p2p_warning.py shows it, on 2 GPUs): with NCCL and device_id, every
 # rank warns once that its "unbatched P2P op (send/recv)" shares the group's communicator and is
 # "serialized" with the others: the pipeline's sends and receives are ordered by the schedule
-# anyway. NCCL reads this switch when the process group is made (pytorch/pytorch#132900, #156748).
+# anyway. Set at import, before any group or send (pytorch/pytorch#132900, #156748).
 os.environ.setdefault("TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING", "false")
 
 # ---------------------------------------------------------------------------------------------

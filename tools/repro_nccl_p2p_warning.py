@@ -5,11 +5,13 @@
 With torch 2.14, a process group made with `device_id` (as the lessons make theirs, so that NCCL
 connects at once: "eager init") runs every unbatched `send` and `recv` on the group's own
 communicator, and each rank warns once: "An unbatched P2P op (send/recv) was called on this
-ProcessGroup with size 2. In eager initialization mode, unbatched P2P ops are treated as
-independent collective ops, and are thus serialized with all other ops on this ProcessGroup".
+ProcessGroup with size 2.  In eager initialization mode, unbatched P2P ops are treated as
+independent collective ops, and are thus serialized with ...", and it names the switch that
+squashes it.
 The pipeline's sends and receives are ordered by its schedule anyway. The warning came with
-pytorch/pytorch#132900 and was reworked in #156748; NCCL reads the switch it names,
-TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING, when the process group is made.
+pytorch/pytorch#132900 (whose ProcessGroupNCCL reads the switch it names,
+TORCH_NCCL_SHOW_EAGER_INIT_P2P_SERIALIZATION_WARNING, when a send or receive is made) and was
+reworked in #156748; the rank's environment must hold it before its first send.
 
 This script starts 2 ranks, one per GPU, each sends or receives one tensor, twice: without the
 switch and with it set to false, each rank's stderr captured. It exits 0 when the warning
