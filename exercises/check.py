@@ -7,7 +7,8 @@ machine has), each run bounded in time, and compares what they wrote (final.pt, 
 what each rank did (recorded by exercises/probe/sitecustomize.py: the wines each step read, the
 weights before each step, the files it loaded and saved). It prints one verdict line and, when your
 run differs, the most likely mistake, decided from what it measured, and where to look. Everything
-it writes goes into one temporary folder, removed at the end.
+it writes goes into one temporary folder, removed at the end. Exercises 09 (tensor parallelism)
+and 10 (a pipeline) add checks of their own: check_tp.py and check_pp.py.
 
 Exit status: 0 your script passes, 1 it runs but differs (the mistake is named), 2 it could not be
 checked (no such script, it failed, it hung, it wrote nothing or files in another shape).
@@ -30,9 +31,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import check_pp
+import check_tp
+from verdicts import TOLERANCE, Mistake, Unchecked, readme, same
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "exercises", "probe")
-TOLERANCE = 1e-5  # on weights and losses: a correct rewrite adds or drops no more than rounding
 
 
 @dataclass
@@ -45,6 +49,8 @@ class Exercise:
     nodes: int = 1  # 2: two "nodes" on this machine, lesson 03's way
     resume: bool = False  # lesson 04's way: a run that crashes, then the same command again
     without: str = ""  # a module class the exercise takes out, which your run must not use
+    layout: str = "data"  # what a rank holds: the whole model ("data"), a slice of each layer
+    # ("tensor": check_tp.py's checks), or some of the layers ("pipeline": check_pp.py's)
 
 
 SMALL = ["--epochs", "2", "--batch-size", "16"]
@@ -66,21 +72,20 @@ EXERCISES = {
     "08": Exercise("average the gradients yourself", "08_average_by_hand.md", "02_multi_gpu_spawn",
                    ["--world-size", "3", *SMALL], world_size=3,
                    without="DistributedDataParallel"),
+    # 2 TP groups of 2: the ranks of a group read alike, the groups apart.
+    "09": Exercise("tensor parallelism, with FSDP across it", "09_tensor_parallel.md",
+                   "09_tensor_parallel", ["--dp", "2", "--tp", "2", *SMALL], world_size=4,
+                   layout="tensor"),
+    # 4 micro-batches of 4: the last batch of an epoch (14 wines) fills them 4, 4, 4 and 2.
+    # --timeout 20: a deadlocked pipeline's ranks give up soon.
+    "10": Exercise("a pipeline, scheduled by hand", "10_pipeline_by_hand.md",
+                   "10_pipeline_parallel", ["--schedule", "afab", "--stages", "2",
+                                            "--microbatches", "4", "--layers", "3",
+                                            "--timeout", "20", *SMALL],
+                   world_size=2, layout="pipeline"),
 }
 # Lesson 07's own flag that picks what the exercise builds: FSDP2.
 LESSON_ONLY_FLAGS = {"07_sharding": ["--strategy", "fsdp"]}
-
-
-class Unchecked(Exception):
-    """The script could not be checked: one line says why (exit status 2)."""
-
-
-class Mistake(Exception):
-    """The script runs but differs from the lesson: what was seen, the likely mistake, where."""
-
-    def __init__(self, seen, mistake, where):
-        super().__init__(seen)
-        self.seen, self.mistake, self.where = seen, mistake, where
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +99,7 @@ class Run:
     ranks: list = field(default_factory=list)  # the probe's record of each process that trained
     # or touched a file
     joined: list = field(default_factory=list)  # (rank, world_size) each process joined with
+    p2p: dict = field(default_factory=dict)  # {rank: [each send and recv it began, in order]}
 
     def last_line(self):
         lines = [line for line in self.output.splitlines() if line.strip()]
@@ -156,6 +162,9 @@ def run(script, exercise, folder, timeout, extra=()):
             result.joined.append((joined["rank"], joined["world_size"]))
         elif name.endswith(".pt"):
             result.ranks.append(torch.load(path, weights_only=True))
+        elif name.endswith(".p2p"):
+            with open(path) as f:
+                check_pp.read_p2p(f, result.p2p)
     result.ranks.sort(key=lambda log: (log["rank"] is None, log["rank"] or 0))
     shutil.rmtree(probe_dir)  # a resumed run's processes write their own
     return result
@@ -224,17 +233,6 @@ def read_outputs(result, who):
 # ---------------------------------------------------------------------------------------------
 # The diagnosis: evidence first, each with the mistake it points to
 # ---------------------------------------------------------------------------------------------
-def readme(lesson, anchor):
-    return f"{lesson}/README.md#{anchor}"
-
-
-def same(tensors, others):
-    """Equal within TOLERANCE, tensor by tensor."""
-    return len(tensors) == len(others) and all(
-        torch.allclose(a, b, rtol=0, atol=TOLERANCE)
-        for a, b in zip(tensors, others, strict=True))
-
-
 def check_files(weights, reference):
     if any(key.startswith("module.") for key in weights):
         raise Mistake("final.pt's keys start with 'module.'",
@@ -453,7 +451,7 @@ def check_averaging(trained, lesson_trained, module, wines):
     total = [sum(grads) for grads in zip(*own, strict=True)]
     for log in trained:
         alone_grads = own[trained.index(log)]
-        for name, got, want, summed, alone in zip(names, log["grads"], mean, total, alone_grads,
+        for name, got, want, summed, alone in zip(names, log["grads"][0], mean, total, alone_grads,
                                                   strict=True):
             if torch.allclose(got, want, rtol=1e-4, atol=TOLERANCE):
                 continue
@@ -526,7 +524,7 @@ def rank_0_loss(log, module, wines, steps_per_epoch):
 
 
 def compare(weights, metrics, reference, reference_metrics, trained, module, wines,
-            steps_per_epoch):
+            steps_per_epoch, exercise):
     difference = max((weights[name] - reference[name]).abs().max().item() for name in reference)
     if difference > TOLERANCE:
         raise Mistake(f"your final weights differ from the lesson's by up to {difference:.2g} "
@@ -536,8 +534,11 @@ def compare(weights, metrics, reference, reference_metrics, trained, module, win
     losses, lesson_losses = metrics["train_loss"], reference_metrics["train_loss"]
     if len(losses) != len(lesson_losses) or not torch.allclose(
             torch.tensor(losses), torch.tensor(lesson_losses), rtol=0, atol=TOLERANCE):
-        whole = all(p.shape == q.shape for p, q in zip(trained[0]["params"][0],
-                                                       module.WineMLP().parameters(), strict=True))
+        if exercise.layout == "pipeline":
+            check_pp.check_loss_figure(losses, lesson_losses, wines, steps_per_epoch, exercise)
+        whole = exercise.layout == "data" and all(
+            p.shape == q.shape for p, q in zip(trained[0]["params"][0],
+                                               module.WineMLP().parameters(), strict=True))
         rank_0 = rank_0_loss(trained[0], module, wines, steps_per_epoch) if whole else None
         if rank_0 and len(rank_0) == len(losses) and torch.allclose(
                 torch.tensor(losses), torch.tensor(rank_0), rtol=0, atol=1e-4):
@@ -614,7 +615,11 @@ def check(exercise, script, timeout):
     try:
         yours = run_script(exercise, script, os.path.join(folder, "yours"), timeout)
         check_joined(yours, exercise)
-        check_writers(yours.ranks)  # these two hold even for a run that then failed
+        check_writers(yours.ranks)  # these hold even for a run that then failed, and so do
+        if exercise.layout == "tensor":
+            check_tp.check_plan(yours)  # how the first forward found each layer split
+        if exercise.layout == "pipeline":
+            check_pp.check_deadlock(yours, exercise)  # the sends and recvs begun
         check_run(yours, "your script")
         weights, metrics = read_outputs(yours, "your script")
         lesson = run_lesson(exercise, folder, timeout)
@@ -629,16 +634,36 @@ def check(exercise, script, timeout):
                           f"exercises/{exercise.page}")
         lesson_trained = [log for log in lesson.ranks if log["steps"]]
         epochs = len(reference_metrics["train_loss"]) - (2 if exercise.resume else 0)
-        rows_per_epoch = sum(len(step) for step in lesson_trained[0]["steps"]) // epochs
-        steps_per_epoch = len(lesson_trained[0]["steps"]) // epochs
+        # The rows one rank of the lesson read (a pipeline's first stage: padding left out).
+        reader = check_pp.without_padding(lesson_trained[:1])[0]
+        rows_per_epoch = sum(len(step) for step in reader["steps"]) // epochs
+        steps_per_epoch = len(reader["steps"]) // epochs
         check_sharding(trained, lesson_trained)
         if exercise.resume:
             check_resume(trained, lesson_trained)
-        check_data(trained, wines, epochs, rows_per_epoch)
-        check_averaging(trained, lesson_trained, module, wines)
-        check_evaluation(yours, metrics, wines)
+        if exercise.layout == "data":
+            check_data(trained, wines, epochs, rows_per_epoch)
+            check_averaging(trained, lesson_trained, module, wines)
+            check_evaluation(yours, metrics, wines)
+        elif exercise.layout == "tensor":
+            groups = check_tp.tp_groups(trained)
+            check_tp.check_group_reads(trained, groups, wines)
+            # One rank of each TP group, as the data-parallel ranks they are to each other.
+            check_data([log for log in trained if log["rank"] in [g[0] for g in groups]],
+                       wines, epochs, rows_per_epoch)
+            check_tp.check_group_outputs(trained, groups)
+            if not check_tp.check_evaluation(yours, metrics, wines, groups):
+                check_evaluation(yours, metrics, wines)
+        else:  # "pipeline": the first stage reads the wines; each stage holds some layers
+            firsts = [log for log in trained if any(len(step) for step in log["steps"])]
+            check_data(check_pp.without_padding(firsts), wines, epochs, rows_per_epoch)
+            check_pp.check_gradients(trained, module, wines, exercise)
+            check_evaluation(yours, metrics, wines)
         compare(weights, metrics, reference, reference_metrics, trained, module, wines,
-                steps_per_epoch)
+                steps_per_epoch, exercise)
+        if exercise.layout == "tensor":  # two runs of the exercise's own
+            check_tp.check_refusal(script, exercise, os.path.join(folder, "tp3"), timeout, run)
+            check_tp.check_block(script, folder, timeout)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -354,12 +354,15 @@ def test_a_number_that_is_not_finite_stops_a_run_with_one_line(tmp_path):
 
 def test_a_lessons_share_of_ci_names_what_each_step_runs_for_it():
     # tools/lesson_share.py (tests/README.md, "What a new lesson may add"): lesson 10's share
-    # is its tests, its notebook's line, its README's listings and its six mistakes.
+    # is its tests, its notebook's line, its README's and exercise page's listings, its six
+    # mistakes and its exercise's tests.
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "lesson_share.py"), "10",
                              "--list"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     lines = dict(line.rsplit(": ", 1) for line in result.stdout.splitlines())
     assert lines["pytest: its test files"].endswith("tests/test_10_pipeline_parallel.py")
     assert lines["notebooks: its notebook's line"].endswith("-k 10_pipeline_parallel")
-    assert lines["listings: its pages"].endswith("--jobs 1 10_pipeline_parallel/README.md")
+    assert lines["listings: its pages"].endswith(
+        "--jobs 1 10_pipeline_parallel/README.md exercises/10_pipeline_by_hand.md")
     assert len(lines["mutation check: its mistakes"].split(" 10-")) == 7  # the tool, then 6
+    assert lines["exercises: its tests"].endswith("-m exercises tests/test_exercises.py -k 10")

@@ -846,7 +846,8 @@ TYPICAL_SECONDS = {
     "01_single_gpu/README.md": 20, "00_preflight/README.md": 20, "exercises/07_fsdp2.md": 20,
     "exercises/08_average_by_hand.md": 20, "exercises/README.md": 20,
     "exercises/02_ddp_with_spawn.md": 5, "exercises/03_global_ranks.md": 5,
-    "exercises/04_snapshot_resume.md": 5,
+    "exercises/04_snapshot_resume.md": 5, "exercises/09_tensor_parallel.md": 5,
+    "exercises/10_pipeline_by_hand.md": 5,
 }
 # A fixed TCP port that a command names: --master-port 29513, MASTER_PORT=29513,
 # --rdzv-endpoint 127.0.0.1:29400.

@@ -6,16 +6,21 @@ script has imported torch, it records what the checker needs to name a mistake, 
 the script computes:
 - the wines each training step read (the rows that reach the first layer, nn.Linear(13, ...)),
   and the wines each evaluation read;
-- the weights before every optimizer step, after the last one, and the first step's gradients;
+- the weights before every optimizer step, after the last one, and each step's gradients;
+- each linear layer as the first training step finds it (its weight's shape here, and how a
+  DTensor weight is split: the mesh and its placements), and what it computed in that step;
 - the rank and world size this process asked init_process_group for, and the ones it got;
 - every torch.load and torch.save the script's own file made (the file, weights_only, map_location).
 It writes them into EXERCISE_PROBE_DIR/<pid>.pt when the process ends, also by os._exit, as the
-lessons' guard_rails.leave_process ends a rank.
+lessons' guard_rails.leave_process ends a rank. Each send and recv (a pipeline's) is written to
+<pid>.p2p as it starts and when it ends, so that a run stopped in a deadlock still says which
+ranks waited for which.
 """
 
 import atexit
 import importlib.abc
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -64,7 +69,8 @@ def record(torch):
     )
 
     log = {"pid": os.getpid(), "rank": None, "world_size": None, "steps": [], "eval_rows": [],
-           "params": [], "last": None, "grads": None, "layers": set(), "loads": [], "saves": []}
+           "params": [], "last": None, "grads": [], "layers": set(), "loads": [], "saves": [],
+           "linears": [], "outputs": []}
     rows = []  # the wines read since the last step
     # Ranks forked from a server that imported torch (lesson 02's start_ranks) inherit this
     # recorder from it: each keeps a record of its own, under its own pid.
@@ -75,19 +81,43 @@ def record(torch):
         tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP's shard
         return tensor.to("cpu", torch.float32).clone()
 
+    seen = set()  # the linear layers described in log["linears"]
+
+    def describe(layer):
+        """A linear layer's sizes, its weight's shape on this rank, and, for a DTensor, over
+        which ranks (the mesh) and how (a placement per mesh dim) it is split."""
+        weight, mesh = layer.weight, getattr(layer.weight, "device_mesh", None)
+        return {"in": layer.in_features, "out": layer.out_features,
+                "local": list(local(weight).shape),
+                "dims": list(mesh.mesh_dim_names or ()) if mesh is not None else [],
+                "mesh": mesh.mesh.tolist() if mesh is not None else None,
+                "placements": [str(p) for p in weight.placements] if mesh is not None else []}
+
     def on_forward(module, args):
         if module.training and torch.is_grad_enabled():
             log["layers"].add(type(module).__name__)  # FSDPLinear where fully_shard reached
+            if isinstance(module, nn.Linear) and not log["steps"] and id(module) not in seen:
+                seen.add(id(module))
+                log["linears"].append(describe(module))
+                # After the layer's own hooks (a row-wise layer's all-reduce is one of them):
+                # its output as the next layer, or the loss, gets it. Already in this call.
+                module.register_forward_hook(after_forward)
         if (isinstance(module, nn.Linear) and module.in_features == FEATURES and args
                 and torch.is_tensor(args[0])):
             batch = local(args[0]).reshape(-1, FEATURES)
             (rows if module.training and torch.is_grad_enabled() else log["eval_rows"]).append(
                 batch)
 
+    def after_forward(module, args, output):
+        # The first training step's outputs of each linear layer, in the order they ran.
+        if module.training and torch.is_grad_enabled() and not log["steps"] and torch.is_tensor(
+                output):
+            log["outputs"].append({"in": module.in_features, "out": module.out_features,
+                                   "value": local(output)})
+
     def before_step(optimizer, args, kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if log["grads"] is None:
-            log["grads"] = [None if p.grad is None else local(p.grad) for p in params]
+        log["grads"].append([None if p.grad is None else local(p.grad) for p in params])
         log["params"].append([local(p) for p in params])
         log["steps"].append(torch.cat(rows) if rows else torch.empty(0, FEATURES))
         rows.clear()
@@ -135,8 +165,44 @@ def record(torch):
 
     dist.init_process_group = init_process_group
 
+    def peer(function, args, kwargs):
+        """The global rank a send goes to, or a recv comes from (given as dst or src, or as
+        group_dst or group_src within group)."""
+        given = inspect.signature(function).bind(*args, **kwargs).arguments
+        for name in ("dst", "src"):
+            if given.get(name) is not None:
+                return given[name]
+        within = given.get("group_dst", given.get("group_src"))
+        group = given.get("group")
+        return within if group is None or within is None else dist.get_global_rank(group, within)
+
+    def recorded(function, op):
+        """function (dist.send or dist.recv), each call written to <pid>.p2p when it starts,
+        and again when it returns: a line each, written at once, so that a kill loses none."""
+        def call(*args, **kwargs):
+            tensor = args[0] if args else kwargs.get("tensor")
+            entry = {"op": op, "rank": log["rank"], "peer": peer(function, args, kwargs),
+                     "shape": list(tensor.shape), "step": len(log["steps"])}
+            note(entry)
+            result = function(*args, **kwargs)
+            note({"done": True, "rank": log["rank"]})
+            return result
+        return call
+
+    def note(entry):
+        fd = os.open(os.path.join(OUT, f"{log['pid']}.p2p"), os.O_WRONLY | os.O_APPEND |
+                     os.O_CREAT)
+        os.write(fd, (json.dumps(entry) + "\n").encode())
+        os.close(fd)
+
+    # The blocking ones, which a schedule written by hand calls (not isend and irecv: the
+    # library's schedules pass those to P2POp, which checks which function it was given).
+    for name in ("send", "recv"):
+        setattr(dist, name, recorded(getattr(dist, name), name))
+
     def write():
-        if not (log["steps"] or log["eval_rows"] or log["loads"] or log["saves"]):
+        if not (log["steps"] or log["eval_rows"] or log["loads"] or log["saves"]
+                or log["linears"]):
             return  # a launcher: it trained nothing
         log["layers"] = sorted(log["layers"])
         real_save(log, part(f"{log['pid']}.pt"))
