@@ -1,0 +1,159 @@
+"""Lesson 11's idea: context parallelism, one sequence split over the ranks, and causal attention
+computed by passing the keys and values around a ring.
+
+sequence_chunks says which tokens a rank holds: with N ranks the sequence is cut into 2N chunks
+and rank r holds chunks r and 2N - 1 - r (balanced: under the causal mask every rank has the
+same work), or, unbalanced, chunks 2r and 2r + 1. attend_block computes the attention of some
+queries to one block of keys and values, with the log-sum-exp of each query's scores; merge adds
+two such partial results into one (the online softmax). RingAttention is the autograd Function:
+forward passes each rank's keys and values around the ring (batch_isend_irecv) while it attends
+to the block it holds; backward passes them around again, with the gradients of the keys and
+values, which come home to their rank after N steps. all_gather_attention is the other way,
+torch's default: gather every rank's keys and values, attend, and let autograd reduce.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+
+
+def sequence_chunks(rank, cp, balanced=True):
+    """The chunks (of 2 * cp) that rank holds, in order: [r, 2cp - 1 - r], or [2r, 2r + 1]."""
+    return [rank, 2 * cp - 1 - rank] if balanced else [2 * rank, 2 * rank + 1]
+
+
+def local_part(x, rank, cp, balanced=True, dim=1):
+    """This rank's tokens of x (its sequence along dim), its chunks side by side."""
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[c] for c in sequence_chunks(rank, cp, balanced)], dim=dim)
+
+
+def attend_block(q, k, v, q_chunk, k_chunk):
+    """Queries of chunk q_chunk attending to keys and values of chunk k_chunk, causally:
+    (output, log-sum-exp of each query's scores), or None where the mask hides the whole block
+    (a later chunk of keys). q, k, v: [batch, heads, chunk length, head dim]."""
+    if k_chunk > q_chunk:
+        return None
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if k_chunk == q_chunk:  # the same positions: each query sees the keys up to its own
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    lse = scores.logsumexp(dim=-1, keepdim=True)
+    return (scores - lse).exp() @ v, lse
+
+
+def merge(out, lse, block):
+    """Two partial attentions of the same queries (to different keys) into one: each output
+    weighted by its share of the softmax's denominator, exp(lse_i - lse)."""
+    if block is None:
+        return out, lse
+    block_out, block_lse = block
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    return (lse - new_lse).exp() * out + (block_lse - new_lse).exp() * block_out, new_lse
+
+
+def ring_pass(tensors, group):
+    """Send tensors to the next rank of the ring and receive the previous rank's: one step."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    tensors = [t.contiguous() for t in tensors]  # sends take whole blocks of memory
+    received = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % size)
+            for t in received]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries to every rank's keys and values, passed around
+    the ring; each rank holds its two chunks (sequence_chunks) side by side."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, balanced):
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        q_chunks = sequence_chunks(rank, cp, balanced)
+        outs, lses = [None, None], [None, None]
+        kv = (k, v)
+        for step in range(cp):
+            source = (rank - step) % cp  # whose keys and values this rank holds now
+            if step < cp - 1:  # the next block travels while this one is used (here: in turn)
+                incoming = ring_pass(kv, group)
+            for i, (qc, q_part) in enumerate(zip(q_chunks, q.chunk(2, dim=2), strict=True)):
+                for kc, k_part, v_part in zip(sequence_chunks(source, cp, balanced),
+                                              kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2),
+                                              strict=True):
+                    outs[i], lses[i] = merge(outs[i], lses[i],
+                                             attend_block(q_part, k_part, v_part, qc, kc))
+            if step < cp - 1:
+                kv = incoming
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.balanced = group, balanced
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, balanced = ctx.group, ctx.balanced
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        scale = 1 / math.sqrt(q.shape[-1])
+        # Softmax's backward needs, per query, the sum of grad_out * out over its features.
+        delta = (grad_out * out).sum(dim=-1, keepdim=True)
+        grad_q = torch.zeros_like(q)
+        k_now, v_now = k, v
+        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)  # of the block held now
+        q_chunks = sequence_chunks(rank, cp, balanced)
+        pieces = list(zip(q_chunks, q.chunk(2, dim=2), grad_out.chunk(2, dim=2),
+                          lse.chunk(2, dim=2), delta.chunk(2, dim=2), grad_q.chunk(2, dim=2),
+                          strict=True))
+        for step in range(cp):
+            source = (rank - step) % cp
+            k_parts, v_parts = k_now.chunk(2, dim=2), v_now.chunk(2, dim=2)
+            gk_parts, gv_parts = grad_k.chunk(2, dim=2), grad_v.chunk(2, dim=2)
+            for qc, q_part, go_part, lse_part, delta_part, gq_part in pieces:
+                for j, kc in enumerate(sequence_chunks(source, cp, balanced)):
+                    if kc > qc:
+                        continue
+                    scores = q_part @ k_parts[j].transpose(-2, -1) * scale
+                    if kc == qc:
+                        causal = torch.ones(scores.shape[-2:], dtype=torch.bool,
+                                            device=q.device).tril()
+                        scores = scores.masked_fill(~causal, float("-inf"))
+                    probs = (scores - lse_part).exp()  # this block's share of the softmax
+                    gv_parts[j].add_(probs.transpose(-2, -1) @ go_part)
+                    grad_scores = probs * (go_part @ v_parts[j].transpose(-2, -1) - delta_part)
+                    gq_part.add_(grad_scores @ k_parts[j] * scale)
+                    gk_parts[j].add_(grad_scores.transpose(-2, -1) @ q_part * scale)
+            # The block moves on with its gradients; after cp passes each is home again.
+            if step < cp - 1:
+                k_now, v_now, grad_k, grad_v = ring_pass((k_now, v_now, grad_k, grad_v), group)
+            elif cp > 1:  # the last pass: only the gradients go on, home
+                grad_k, grad_v = ring_pass((grad_k, grad_v), group)
+        return grad_q, grad_k, grad_v, None, None
+
+
+def ring_attention(q, k, v, group, balanced=True):
+    return RingAttention.apply(q, k, v, group, balanced)
+
+
+def all_gather_attention(q, k, v, group, balanced=True):
+    """The same attention, the other way: every rank gathers all keys and values (autograd's
+    all_gather, whose backward sums each rank's gradients home), then attends to them."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    gathered = [dist_nn.all_gather(t.contiguous(), group=group) for t in (k, v)]
+    out = [None, None]
+    lse = [None, None]
+    for i, (qc, q_part) in enumerate(zip(sequence_chunks(rank, cp, balanced), q.chunk(2, dim=2),
+                                         strict=True)):
+        for source in range(cp):
+            for kc, k_part, v_part in zip(sequence_chunks(source, cp, balanced),
+                                          gathered[0][source].chunk(2, dim=2),
+                                          gathered[1][source].chunk(2, dim=2), strict=True):
+                out[i], lse[i] = merge(out[i], lse[i], attend_block(q_part, k_part, v_part, qc,
+                                                                    kc))
+    return torch.cat(out, dim=2)
