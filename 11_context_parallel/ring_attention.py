@@ -16,7 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed._functional_collectives as funcol
 
 
 def sequence_chunks(rank, cp, balanced=True):
@@ -142,10 +142,12 @@ def ring_attention(q, k, v, group, balanced=True):
 
 
 def all_gather_attention(q, k, v, group, balanced=True):
-    """The same attention, the other way: every rank gathers all keys and values (autograd's
-    all_gather, whose backward sums each rank's gradients home), then attends to them."""
+    """The same attention, the other way: every rank gathers all keys and values (an all-gather
+    that autograd follows: its backward sends each rank's gradients home, summed), then attends
+    to them."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    gathered = [dist_nn.all_gather(t.contiguous(), group=group) for t in (k, v)]
+    gathered = [funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=group)
+                .chunk(cp, dim=0) for t in (k, v)]  # along the batch: [rank 0's, rank 1's, ...]
     out = [None, None]
     lse = [None, None]
     for i, (qc, q_part) in enumerate(zip(sequence_chunks(rank, cp, balanced), q.chunk(2, dim=2),

@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from ring_attention import attend_block, local_part, ring_attention
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
@@ -54,6 +53,7 @@ from guard_rails import (
     start,
     started_by_torchrun,
 )
+from ring_attention import attend_block, local_part, ring_attention
 
 
 # ---------------------------------------------------------------------------------------------
