@@ -8,12 +8,12 @@ it when a message surprises you.
 
 Its parts, in this order, and the lessons that use each:
     flags, the launcher, --out-dir, Ctrl-C      every lesson
-    flags of one lesson that cannot work        06, 07, 09, 10
-    ranks that fail, stall or lose each other   02 to 10, and benchmarks/
-    nodes                                       03; nodes' backends compared: 09, 10
+    flags of one lesson that cannot work        06, 07, 09, 10, 11
+    ranks that fail, stall or lose each other   02 to 11, and benchmarks/
+    nodes                                       03; nodes' backends compared: 09, 10, 11
     a save that fails                           every lesson
-    resuming from one file                      04; its restart store: 04, 07, 09, 10
-    sharded checkpoints (DCP)                   07, 09, 10
+    resuming from one file                      04; its restart store: 04, 07, 09, 10, 11
+    sharded checkpoints (DCP)                   07, 09, 10, 11
 """
 
 import contextlib
@@ -70,7 +70,8 @@ def check_args(args):
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"--{name.replace('_', '-')} must be a finite number (got {value})")
     for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
-                 "crash_at_epoch", "hidden", "layers", "dp", "tp", "stages", "microbatches"):
+                 "crash_at_epoch", "hidden", "layers", "dp", "tp", "stages", "microbatches",
+                 "cp", "seq_len", "dim", "heads"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
@@ -212,7 +213,7 @@ def compiler_for_compile(on_gpu):
 
 def check_sharding(args, latest_checkpoint):
     """Refuse, before any rank starts, a width or a checkpoint that cannot work."""
-    if args.hidden < 1:
+    if getattr(args, "hidden", 1) < 1:
         fail(f"--hidden must be at least 1 (got {args.hidden})")
     checkpoint = latest_checkpoint(os.path.join(args.out_dir, "checkpoint"))
     if checkpoint:
@@ -289,6 +290,25 @@ def check_pipeline(args):
 # ---------------------------------------------------------------------------------------------
 # Ranks: the port, ranks that fail, stall or lose each other: 02 on
 # ---------------------------------------------------------------------------------------------
+def check_context_parallel(args):
+    """Refuse, before any rank starts, a --dp x --cp layout that cannot split the sequences."""
+    if args.dp is None:  # torchrun's ranks, or else the GPUs, in CP groups of --cp; at least 1
+        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
+        args.dp = max(1, ranks // args.cp)
+    if started_by_torchrun() and args.dp * args.cp != args.world_size:
+        fail(f"--dp {args.dp} x --cp {args.cp} = {args.dp * args.cp} ranks, but torchrun "
+             f"started {args.world_size}; start dp x cp processes in all, or change --dp or --cp")
+    if args.seq_len % (2 * args.cp):
+        fail(f"--seq-len {args.seq_len} does not split into 2 x --cp = {2 * args.cp} equal "
+             f"chunks (each rank holds two); use a multiple of {2 * args.cp}")
+    if args.batch_size % args.dp:
+        fail(f"--batch-size {args.batch_size}, the global batch, does not split over --dp "
+             f"{args.dp}; use a multiple of {args.dp}")
+    if args.dim % args.heads:
+        fail(f"--heads {args.heads} does not divide --dim {args.dim}: each head takes "
+             f"dim / heads of every token's features")
+
+
 def port_in_use(port):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
@@ -880,9 +900,7 @@ def check_checkpoint(path, args):
         metadata = dcp.FileSystemReader(path).read_metadata()
         with open(os.path.join(path, "progress.json")) as f:
             done = json.load(f)["epochs_completed"]
-        hidden = metadata.state_dict_metadata["model.fc1.weight"].size[0]
-        layers = 1 + sum(key.startswith("model.hidden.") and key.endswith(".weight")
-                         for key in metadata.state_dict_metadata)  # lesson 09's --layers
+        held = checkpoint_sizes(metadata.state_dict_metadata)
         # Every file the metadata names must be there, with the bytes it says: a shard deleted
         # or cut short would stop every rank in dcp.load, each with a traceback. storage_data
         # maps each chunk of a tensor to a _StorageInfo: relative_path, offset and length in
@@ -904,15 +922,28 @@ def check_checkpoint(path, args):
             fix = (f"delete {path} to resume from {older[-1]}" if older else
                    f"delete {path} to start afresh")
             fail(f"{path} is damaged: its file {name} {what}; {fix}, or choose another --out-dir")
-    if hidden != args.hidden:
-        fail(f"{path} holds a model with --hidden {hidden}, not {args.hidden}; resume with "
-             f"--hidden {hidden}, or delete it or choose another --out-dir")
-    if layers != getattr(args, "layers", 1):
-        fail(f"{path} holds a model with --layers {layers}, not {args.layers}; resume with "
-             f"--layers {layers}, or delete it or choose another --out-dir")
+    for flag, value in held.items():
+        asked = getattr(args, flag.removeprefix("--").replace("-", "_"), 1)  # --layers: 1
+        if value != asked:
+            fail(f"{path} holds a model with {flag} {value}, not {asked}; resume with "
+                 f"{flag} {value}, or delete it or choose another --out-dir")
     if done > args.epochs:
         fail(f"{path} has {done} epochs done, more than --epochs {args.epochs}; ask for at "
              f"least {done} or choose another --out-dir")
+
+
+def checkpoint_sizes(tensors):
+    """{flag: value} of the model a checkpoint holds, read from its tensors' sizes: the wine
+    MLP's --hidden and --layers (lessons 07 to 10), or the GPT's --dim, --seq-len and --layers
+    (lesson 11)."""
+    if "model.tokens.weight" in tensors:
+        return {"--dim": tensors["model.tokens.weight"].size[1],
+                "--seq-len": tensors["model.positions.weight"].size[0],
+                "--layers": sum(key.startswith("model.blocks.") and key.endswith(".norm1.weight")
+                                for key in tensors)}
+    return {"--hidden": tensors["model.fc1.weight"].size[0],
+            "--layers": 1 + sum(key.startswith("model.hidden.") and key.endswith(".weight")
+                                for key in tensors)}
 
 
 def checkpoints_beside(path):

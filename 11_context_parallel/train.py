@@ -44,7 +44,9 @@ from guard_rails import (
     agree_on_checkpoint,
     check_args,
     check_backends_agree,
+    check_context_parallel,
     check_master_port,
+    check_sharding,
     fail,
     rank_guard,
     restart_store,
@@ -488,24 +490,6 @@ def describe_run(args, device, resumed_after_epoch):
     }
 
 
-def check_context_parallel(args):
-    """Refuse, before any rank starts, a layout that cannot split this model's sequences."""
-    if args.dp is None:  # torchrun's ranks, or else the GPUs, in CP groups of --cp; at least 1
-        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
-        args.dp = max(1, ranks // args.cp)
-    if started_by_torchrun() and args.dp * args.cp != args.world_size:
-        fail(f"--dp {args.dp} x --cp {args.cp} = {args.dp * args.cp} ranks, but torchrun "
-             f"started {args.world_size}; start dp x cp processes in all, or change --dp or --cp")
-    if args.seq_len % (2 * args.cp):
-        fail(f"--seq-len {args.seq_len} does not split into 2 x --cp = {2 * args.cp} equal "
-             f"chunks (each rank holds two); use a --seq-len that is a multiple of {2 * args.cp}")
-    if args.batch_size % args.dp:
-        fail(f"--batch-size {args.batch_size} (the global batch) does not split over --dp "
-             f"{args.dp} groups; use a multiple of {args.dp}")
-    if args.dim % args.heads:
-        fail(f"--heads {args.heads} does not divide --dim {args.dim}")
-
-
 def worker(local_rank, args):
     """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
     # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
@@ -527,12 +511,14 @@ def launch(args):
         args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
                                       "torchrun's --nproc-per-node")
         check_backends_agree(args.backend, args.timeout)  # every node chose the same one
+        check_sharding(args, latest_checkpoint)
         worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
         return
     args.launcher = "spawn"
     check_context_parallel(args)  # --seq-len in 2 x --cp chunks, --batch-size over --dp
     args.world_size = args.dp * args.cp
     args.backend = choose_backend(args.backend, args.world_size, "--dp x --cp")
+    check_sharding(args, latest_checkpoint)  # any checkpoint: the same model (guard rails)
     # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
     check_master_port()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

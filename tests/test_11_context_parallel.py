@@ -1,0 +1,97 @@
+"""Lesson 11, run as a learner runs it: python 11_context_parallel/train.py (mp.spawn, gloo/CPU)
+and its proof, python 11_context_parallel/prove_ring.py.
+
+Ring attention and the all-gather way give full attention's output and gradients at 4 ranks,
+balanced and not, and the balanced layout gives every rank the same work; training with --cp 2,
+--cp 4 and --dp 2 --cp 2 ends on the weights of --cp 1, one process; a resume ends bitwise on
+the run that never stopped, from another layout too; a --seq-len that 2 x --cp chunks cannot
+split stops in one line.
+
+Tolerance. In float64 (--float64), the layouts differ only in the order of their sums: each CP
+rank adds its tokens' loss and gradient shares, the ring adds each query's blocks in its own
+order, and all-reduce adds the ranks' gradients. Measured after 2 epochs (72 Adam steps), on
+this course's 2-core machine: 1.2e-12 between --cp 2 and --cp 1, and below 1e-11 for every
+layout: TOLERANCE = 1e-10. In float32 the same runs end about 1e-5 apart, as Adam divides each
+step by its gradient's running size and so turns rounding into steps of about lr, which is why
+the proof runs in float64."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import (
+    ROOT,
+    assert_one_line_error,
+    check_ok,
+    max_weight_difference,
+    read_metrics,
+    run_lesson,
+)
+
+LESSON = "11_context_parallel"
+TOLERANCE = 1e-10
+SMALL = ["--float64", "--epochs", "2", "--save-every", "1"]
+LAYOUTS = {"cp1": ["--cp", "1"], "cp2": ["--cp", "2"], "cp4": ["--cp", "4"],
+           "dp2cp2": ["--dp", "2", "--cp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout's run of 2 epochs in float64, made once: {name: out_dir}."""
+    made = {}
+
+    def run(name):
+        if name not in made:
+            out = tmp_path_factory.mktemp(name)
+            check_ok(run_lesson(LESSON, *LAYOUTS[name], *SMALL, "--out-dir", out))
+            made[name] = out
+        return made[name]
+
+    return run
+
+
+def test_ring_and_all_gather_attention_equal_full_attention():
+    done = subprocess.run([sys.executable, str(ROOT / LESSON / "prove_ring.py"), "--cp", "4"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "equal within 1e-12: True" in done.stdout, done.stdout
+    assert done.stdout.count("largest difference") == 4  # ring and all-gather, both layouts
+    # Balanced, every rank attends to as many blocks; unbalanced, the last rank to 5 times
+    # as many as the first (chunks 6 and 7 see 7 and 8 of the 8; chunks 0 and 1, 1 and 2).
+    assert "blocks per rank, balanced  : 9, 9, 9, 9" in done.stdout, done.stdout
+    assert "blocks per rank, unbalanced: 3, 7, 11, 15" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("layout", ["cp2", "cp4", "dp2cp2"])
+def test_every_layout_takes_the_steps_of_one_process(runs, layout):
+    assert max_weight_difference(runs(layout), runs("cp1")) < TOLERANCE
+    ours, one = read_metrics(runs(layout)), read_metrics(runs("cp1"))
+    for a, b in zip(ours["train_loss"], one["train_loss"], strict=True):
+        assert abs(a - b) < TOLERANCE
+    assert abs(ours["val_loss"] - one["val_loss"]) < TOLERANCE
+    assert ours["train_loss"][-1] < ours["train_loss"][0]
+
+
+def test_a_resume_ends_on_the_run_that_never_stopped(runs, tmp_path):
+    # Each 2-epoch run's checkpoint, resumed by --cp 4 to epoch 3, against a --cp 4 run of 3
+    # epochs that never stopped: from --cp 4, bitwise; from --cp 2, within TOLERANCE.
+    straight = tmp_path / "straight"
+    check_ok(run_lesson(LESSON, "--cp", "4", "--float64", "--epochs", "3", "--out-dir",
+                        straight))
+    for written_by, exact in (("cp4", True), ("cp2", False)):
+        resumed = tmp_path / f"from_{written_by}"
+        shutil.copytree(runs(written_by) / "checkpoint", resumed / "checkpoint")
+        result = check_ok(run_lesson(LESSON, "--cp", "4", "--float64", "--epochs", "3",
+                                     "--out-dir", resumed))
+        assert "resuming from" in result.stdout and "2 of 3 epochs done" in result.stdout
+        assert read_metrics(resumed)["resumed_after_epoch"] == 2
+        difference = max_weight_difference(straight, resumed)
+        assert difference == 0 if exact else difference < TOLERANCE, (written_by, difference)
+
+
+def test_a_seq_len_that_the_chunks_do_not_split_stops_in_one_line(tmp_path):
+    result = run_lesson(LESSON, "--cp", "3", "--out-dir", tmp_path)
+    assert_one_line_error(result, "--seq-len 64 does not split into 2 x --cp = 6 equal chunks")
+    assert "starting" not in result.stdout
