@@ -3,9 +3,9 @@ and its proof, python 11_context_parallel/prove_ring.py.
 
 Ring attention and the all-gather way give full attention's output and gradients at 4 ranks,
 balanced and not, and the balanced layout gives every rank the same work; training with --cp 2,
---cp 4 and --dp 2 --cp 2 ends on the weights of --cp 1, one process; a resume ends bitwise on
-the run that never stopped, from another layout too; a --seq-len that 2 x --cp chunks cannot
-split stops in one line.
+--cp 4 and --dp 2 --cp 2 ends on the weights of --cp 1, one process; torchrun restarts a crashed
+run, which resumes bitwise, and a checkpoint loads into another layout; a --seq-len that 2 x
+--cp chunks cannot split stops in one line.
 
 Tolerance. In float64 (--float64), the layouts differ only in the order of their sums: each CP
 rank adds its tokens' loss and gradient shares, the ring adds each query's blocks in its own
@@ -22,12 +22,15 @@ import sys
 import pytest
 
 from helpers import (
+    GPUS,
     ROOT,
+    assert_final_pt_holds_cpu_tensors,
     assert_one_line_error,
     check_ok,
     max_weight_difference,
     read_metrics,
     run_lesson,
+    run_torchrun,
 )
 
 LESSON = "11_context_parallel"
@@ -74,24 +77,76 @@ def test_every_layout_takes_the_steps_of_one_process(runs, layout):
     assert ours["train_loss"][-1] < ours["train_loss"][0]
 
 
-def test_a_resume_ends_on_the_run_that_never_stopped(runs, tmp_path):
-    # Each 2-epoch run's checkpoint, resumed by --cp 4 to epoch 3, against a --cp 4 run of 3
-    # epochs that never stopped: from --cp 4, bitwise; from --cp 2, within TOLERANCE.
+def test_torchrun_restarts_a_crashed_run_which_resumes_bitwise(runs, tmp_path):
+    # torchrun, --cp 2: rank 1 raises in epoch 2, torchrun starts both again (--max-restarts 1),
+    # they resume from epoch 1's checkpoint and end bitwise on a run of 3 epochs that never
+    # stopped. Then the 2-epoch --cp 4 run's checkpoint, resumed by --cp 2: within TOLERANCE.
+    three = ["--cp", "2", "--float64", "--epochs", "3"]
     straight = tmp_path / "straight"
-    check_ok(run_lesson(LESSON, "--cp", "4", "--float64", "--epochs", "3", "--out-dir",
-                        straight))
-    for written_by, exact in (("cp4", True), ("cp2", False)):
-        resumed = tmp_path / f"from_{written_by}"
-        shutil.copytree(runs(written_by) / "checkpoint", resumed / "checkpoint")
-        result = check_ok(run_lesson(LESSON, "--cp", "4", "--float64", "--epochs", "3",
-                                     "--out-dir", resumed))
-        assert "resuming from" in result.stdout and "2 of 3 epochs done" in result.stdout
-        assert read_metrics(resumed)["resumed_after_epoch"] == 2
-        difference = max_weight_difference(straight, resumed)
-        assert difference == 0 if exact else difference < TOLERANCE, (written_by, difference)
+    check_ok(run_lesson(LESSON, *three, "--out-dir", straight))
+    restarted = tmp_path / "restarted"
+    result = run_torchrun(LESSON, *three, "--save-every", 1, "--out-dir", restarted,
+                          torchrun_args=["--max-restarts", 1], patch="raise-on-rank-1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "injected failure on rank 1" in result.stderr
+    assert "1 of 3 epochs done, written by --dp 1 --cp 2, loaded by --dp 1 --cp 2" in result.stdout
+    assert read_metrics(restarted)["launcher"] == "torchrun"
+    assert max_weight_difference(straight, restarted) == 0
+    other = tmp_path / "from_cp4"
+    shutil.copytree(runs("cp4") / "checkpoint", other / "checkpoint")
+    result = check_ok(run_lesson(LESSON, *three, "--out-dir", other))
+    assert "2 of 3 epochs done, written by --dp 1 --cp 4, loaded by --dp 1 --cp 2" in result.stdout
+    assert read_metrics(other)["resumed_after_epoch"] == 2
+    assert max_weight_difference(straight, other) < TOLERANCE
 
 
 def test_a_seq_len_that_the_chunks_do_not_split_stops_in_one_line(tmp_path):
     result = run_lesson(LESSON, "--cp", "3", "--out-dir", tmp_path)
     assert_one_line_error(result, "--seq-len 64 does not split into 2 x --cp = 6 equal chunks")
     assert "starting" not in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier: the same on NCCL
+# ---------------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU; this machine has none")
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine has {GPUS}")
+# float64 on a GPU adds in cuBLAS's order, not the CPU's: about 1e-15 a step, which Adam carries
+# through 2 epochs; far below what one wrong block moves (1e-2 and more).
+GPU_TOLERANCE = 1e-8
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_one_rank_takes_the_cpus_steps(runs, tmp_path):
+    check_ok(run_lesson(LESSON, "--backend", "nccl", *LAYOUTS["cp1"], "--dp", 1, *SMALL,
+                        "--out-dir", tmp_path))
+    metrics = read_metrics(tmp_path)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert max_weight_difference(tmp_path, runs("cp1")) < GPU_TOLERANCE
+    assert_final_pt_holds_cpu_tensors(tmp_path)
+
+
+@needs_two
+@pytest.mark.gpu
+def test_gpu_the_ring_on_nccl_takes_one_processs_steps(runs, tmp_path):
+    # batch_isend_irecv between two GPUs: each rank's keys and values go from GPU to GPU.
+    check_ok(run_lesson(LESSON, "--backend", "nccl", *LAYOUTS["cp2"], "--dp", 1, *SMALL,
+                        "--out-dir", tmp_path))
+    metrics = read_metrics(tmp_path)
+    assert (metrics["backend"], metrics["device"], metrics["world_size"]) == ("nccl", "cuda", 2)
+    assert max_weight_difference(tmp_path, runs("cp1")) < GPU_TOLERANCE
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_torchrun_starts_one_nccl_rank_per_gpu(tmp_path):
+    nproc = min(GPUS, 2)  # one CP group of them all
+    result = run_torchrun(LESSON, "--cp", nproc, "--epochs", 2, "--out-dir", tmp_path,
+                          nproc=nproc)
+    check_ok(result)
+    metrics = read_metrics(tmp_path)
+    assert (metrics["backend"], metrics["device"], metrics["launcher"]) == (
+        "nccl", "cuda", "torchrun")
+    assert metrics["train_loss"][-1] < metrics["train_loss"][0]
+    assert_final_pt_holds_cpu_tensors(tmp_path)

@@ -95,6 +95,10 @@ EXPECTED_TEXT = {
                            "drawing agrees with the measured bytes: True",
                            "drawing agrees with the checkpoint's chunks: True",
                            "equal within 1e-6: True", "test accuracy:"],
+    "11_context_parallel": ["blocks per rank, balanced: [9, 9, 9, 9]",
+                            "merged equals full attention: True",
+                            "--cp 2 against --cp 1 in float64: largest difference",
+                            "equal within 1e-10: True"],
     "10_pipeline_parallel": ["as 1f1b defines: yes", "as interleaved defines: yes",
                              "every rank ran the order its schedule defines: True",
                              "gpipe: at most [4, 4] micro-batches held; all m = 4: True",
@@ -311,7 +315,7 @@ def test_readmes_line_executes_its_notebooks(line, jupyter_path, tmp_path):
 
 def rank_runs(notebook):
     """The arguments of every run of several ranks a notebook starts (run_lesson calls and
-    command lists naming --world-size, --nproc-per-node or --stages), with *name and
+    command lists naming --world-size, --nproc-per-node, --stages or --cp), with *name and
     *map(str, name) expanded from the notebook's own list assignments."""
     code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
     code = code.replace("%matplotlib inline", "")  # IPython's, not Python's
@@ -338,7 +342,7 @@ def rank_runs(notebook):
             found = list(strings(node.elts))
         else:
             continue
-        if {"--world-size", "--nproc-per-node", "--stages"} & set(found):
+        if {"--world-size", "--nproc-per-node", "--stages", "--cp"} & set(found):
             yield found
 
 

@@ -158,7 +158,8 @@ def test_a_lesson_folder_copied_alone_still_starts(tmp_path):
 # pipeline.py and its timeline.py whole (with the wait for a GPU's stream), 415. Its README:
 # about 300.
 DIFF_LIMIT = {"02_multi_gpu_spawn": 130, "06_ddp_in_practice": 125, "07_sharding": 265,
-              "08_ddp_from_scratch": 280, "09_tensor_parallel": 250, "10_pipeline_parallel": 415}
+              "08_ddp_from_scratch": 280, "09_tensor_parallel": 250, "10_pipeline_parallel": 415,
+              "11_context_parallel": 400}
 README_LIMIT = 300
 
 
@@ -302,7 +303,7 @@ def test_the_flag_table_names_every_flag_and_the_lessons_that_have_it():
     for cells in table_rows(ROOT / "README.md", "## The interface every lesson shares"):
         listed = re.search(r"\(lessons? ([^)]*)\)$", cells[1])
         lessons = lessons_named(listed.group(1)) if listed else set(FACTS)
-        for flag in re.findall(r"`(--[a-z-]+)`", cells[0]):
+        for flag in re.findall(r"`(--[a-z0-9-]+)`", cells[0]):
             in_table[flag] = lessons
     has = {}
     for number, facts in FACTS.items():

@@ -488,6 +488,48 @@ MUTANTS = [
         tests=("tests/test_10_pipeline_parallel.py::"
                "test_the_simulated_clock_starts_when_the_gpus_stream_has_the_input",),
     ),
+    # --- lesson 11: context parallelism, ring attention ---
+    Mutant(
+        id="11-blocks-averaged-not-merged",
+        file="11_context_parallel/ring_attention.py",
+        find="(lse - new_lse).exp() * out + (block_lse - new_lse).exp() * block_out",
+        replace="(out + block_out) / 2",
+        claim="Blocks of attention combine by their log-sum-exp: exactly the softmax over both.",
+        readme="11_context_parallel/README.md#ring-attention",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_ring_and_all_gather_attention_equal_full_attention",),
+    ),
+    Mutant(
+        id="11-later-chunks-not-masked",
+        file="11_context_parallel/ring_attention.py",
+        find="    if k_chunk > q_chunk:\n        return None",
+        replace="    if False:\n        return None",
+        claim="Causal attention across chunks: no query sees a later chunk's keys.",
+        readme="11_context_parallel/README.md#ring-attention",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_ring_and_all_gather_attention_equal_full_attention",),
+    ),
+    Mutant(
+        id="11-gradients-not-summed",
+        file="11_context_parallel/train.py",
+        find="            dist.all_reduce(param.grad)",
+        replace="            pass",
+        claim="Every layout takes one process's steps: each rank's share of the gradient summed.",
+        readme="11_context_parallel/README.md#equal-to-one-process",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_every_layout_takes_the_steps_of_one_process[cp2]",),
+    ),
+    Mutant(
+        id="11-positions-counted-from-0-on-every-rank",
+        file="11_context_parallel/train.py",
+        find="local_part(torch.arange(args.seq_len, device=device), self.cp_rank,\n"
+             "                                    args.cp, dim=0)",
+        replace="torch.arange(args.seq_len // args.cp, device=device)",
+        claim="Each rank embeds its tokens' positions in the whole sequence.",
+        readme="11_context_parallel/README.md#who-holds-which-tokens",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_every_layout_takes_the_steps_of_one_process[cp2]",),
+    ),
     Mutant(
         id="09-nodes-backends-not-compared",
         file="09_tensor_parallel/guard_rails.py",
