@@ -512,8 +512,8 @@ MUTANTS = [
     Mutant(
         id="11-gradients-not-summed",
         file="11_context_parallel/train.py",
-        find="            dist.all_reduce(param.grad)",
-        replace="            pass",
+        find="    dist.all_reduce(flat)",
+        replace="    pass",
         claim="Every layout takes one process's steps: each rank's share of the gradient summed.",
         readme="11_context_parallel/README.md#equal-to-one-process",
         tests=("tests/test_11_context_parallel.py::"
