@@ -95,8 +95,12 @@ def main():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    method = "spawn"  # macOS and Windows; on Linux the ranks fork from a server that has
+    if sys.platform == "linux":  # imported torch once, as train.py's start_ranks does
+        mp.set_forkserver_preload(["torch", "torch.distributed"])
+        method = "forkserver"
     try:
-        mp.start_processes(run, args=(args, port), nprocs=args.cp, start_method="spawn")
+        mp.start_processes(run, args=(args, port), nprocs=args.cp, start_method=method)
     except mp.ProcessExitedException:
         sys.exit(1)
 

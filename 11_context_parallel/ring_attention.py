@@ -3,12 +3,13 @@ computed by passing the keys and values around a ring.
 
 sequence_chunks says which tokens a rank holds: with N ranks the sequence is cut into 2N chunks
 and rank r holds chunks r and 2N - 1 - r (balanced: under the causal mask every rank has the
-same work), or, unbalanced, chunks 2r and 2r + 1. attend_block computes the attention of some
-queries to one block of keys and values, with the log-sum-exp of each query's scores; merge adds
-two such partial results into one (the online softmax). RingAttention is the autograd Function:
-forward passes each rank's keys and values around the ring (batch_isend_irecv) while it attends
-to the block it holds; backward passes them around again, with the gradients of the keys and
-values, which come home to their rank after N steps. all_gather_attention is the other way,
+same work), or, unbalanced, chunks 2r and 2r + 1. block_scores masks one block's scores
+causally; attend_block computes the attention of some queries to one block of keys and values,
+with the log-sum-exp of each query's scores; merge adds two such partial results into one (the
+online softmax). RingAttention is the autograd Function: forward passes each rank's keys and
+values around the ring (batch_isend_irecv) while it attends to the block it holds; backward
+passes them around again, with the gradients of the keys and values, which come home to their
+rank after N steps. all_gather_attention is the other way,
 torch's default: gather every rank's keys and values, attend, and let autograd reduce.
 """
 
@@ -30,16 +31,25 @@ def local_part(x, rank, cp, balanced=True, dim=1):
     return torch.cat([chunks[c] for c in sequence_chunks(rank, cp, balanced)], dim=dim)
 
 
-def attend_block(q, k, v, q_chunk, k_chunk):
-    """Queries of chunk q_chunk attending to keys and values of chunk k_chunk, causally:
-    (output, log-sum-exp of each query's scores), or None where the mask hides the whole block
-    (a later chunk of keys). q, k, v: [batch, heads, chunk length, head dim]."""
+def block_scores(q, k, q_chunk, k_chunk):
+    """The scores of chunk q_chunk's queries for chunk k_chunk's keys, causally masked, or None
+    where the mask hides the whole block (a later chunk of keys). q, k: [batch, heads, chunk
+    length, head dim]."""
     if k_chunk > q_chunk:
         return None
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if k_chunk == q_chunk:  # the same positions: each query sees the keys up to its own
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
+    return scores
+
+
+def attend_block(q, k, v, q_chunk, k_chunk):
+    """Queries of chunk q_chunk attending to keys and values of chunk k_chunk: (output,
+    log-sum-exp of each query's scores), or None where the mask hides the whole block."""
+    scores = block_scores(q, k, q_chunk, k_chunk)
+    if scores is None:
+        return None
     lse = scores.logsumexp(dim=-1, keepdim=True)
     return (scores - lse).exp() @ v, lse
 
@@ -117,13 +127,9 @@ class RingAttention(torch.autograd.Function):
             gk_parts, gv_parts = grad_k.chunk(2, dim=2), grad_v.chunk(2, dim=2)
             for qc, q_part, go_part, lse_part, delta_part, gq_part in pieces:
                 for j, kc in enumerate(sequence_chunks(source, cp, balanced)):
-                    if kc > qc:
+                    scores = block_scores(q_part, k_parts[j], qc, kc)  # again: none were kept
+                    if scores is None:
                         continue
-                    scores = q_part @ k_parts[j].transpose(-2, -1) * scale
-                    if kc == qc:
-                        causal = torch.ones(scores.shape[-2:], dtype=torch.bool,
-                                            device=q.device).tril()
-                        scores = scores.masked_fill(~causal, float("-inf"))
                     probs = (scores - lse_part).exp()  # this block's share of the softmax
                     gv_parts[j].add_(probs.transpose(-2, -1) @ go_part)
                     grad_scores = probs * (go_part @ v_parts[j].transpose(-2, -1) - delta_part)
