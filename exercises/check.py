@@ -8,7 +8,8 @@ what each rank did (recorded by exercises/probe/sitecustomize.py: the wines each
 weights before each step, the files it loaded and saved). It prints one verdict line and, when your
 run differs, the most likely mistake, decided from what it measured, and where to look. Everything
 it writes goes into one temporary folder, removed at the end. Exercises 09 (tensor parallelism)
-and 10 (a pipeline) add checks of their own: check_tp.py and check_pp.py.
+and 10 (a pipeline) add checks of their own: check_tp.py and check_pp.py. Exercise 11 (the ring's
+merge) checks your ring_attention.py against full attention instead: check_cp.py.
 
 Exit status: 0 your script passes, 1 it runs but differs (the mistake is named), 2 it could not be
 checked (no such script, it failed, it hung, it wrote nothing or files in another shape).
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import check_cp
 import check_pp
 import check_tp
 from verdicts import TOLERANCE, Mistake, Unchecked, readme, same
@@ -50,7 +52,9 @@ class Exercise:
     resume: bool = False  # lesson 04's way: a run that crashes, then the same command again
     without: str = ""  # a module class the exercise takes out, which your run must not use
     layout: str = "data"  # what a rank holds: the whole model ("data"), a slice of each layer
-    # ("tensor": check_tp.py's checks), or some of the layers ("pipeline": check_pp.py's)
+    # ("tensor": check_tp.py's checks), or some of the layers ("pipeline": check_pp.py's); or
+    # "context": the ring attention alone, checked by check_cp.py
+    passes: str = "your script ends where {lesson} does, on every check"  # the PASS line's end
 
 
 SMALL = ["--epochs", "2", "--batch-size", "16"]
@@ -83,6 +87,10 @@ EXERCISES = {
                                             "--microbatches", "4", "--layers", "3",
                                             "--timeout", "20", *SMALL],
                    world_size=2, layout="pipeline"),
+    # Your ring_attention.py (beside the script named), against full attention; then at 4 ranks.
+    "11": Exercise("the ring's causal mask and merge", "11_ring_merge.md", "11_context_parallel",
+                   [], world_size=4, layout="context",
+                   passes="your ring attention equals full attention, on every check"),
 }
 # Lesson 07's own flag that picks what the exercise builds: FSDP2.
 LESSON_ONLY_FLAGS = {"07_sharding": ["--strategy", "fsdp"]}
@@ -613,6 +621,8 @@ def check(exercise, script, timeout):
     os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(folder, "tmp")
     os.mkdir(tempfile.tempdir)
     try:
+        if exercise.layout == "context":
+            return check_cp.check(script, folder, timeout)
         yours = run_script(exercise, script, os.path.join(folder, "yours"), timeout)
         check_joined(yours, exercise)
         check_writers(yours.ranks)  # these hold even for a run that then failed, and so do
@@ -671,7 +681,7 @@ def check(exercise, script, timeout):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exercise", help=f"the exercise: {', '.join(EXERCISES)}")
-    parser.add_argument("script", help="your train.py")
+    parser.add_argument("script", help="your train.py (exercise 11: your ring_attention.py)")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds each run may take before it is stopped")
     args = parser.parse_args(argv)
@@ -697,7 +707,7 @@ def main(argv=None):
         print(f"  most likely: {error.mistake}")
         print(f"  where to look: {error.where}")
         return 1
-    print(f"PASS {name}: your script ends where {exercise.lesson} does, on every check")
+    print(f"PASS {name}: {exercise.passes.format(lesson=exercise.lesson)}")
     return 0
 
 

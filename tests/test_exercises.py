@@ -111,6 +111,11 @@ CASES = [
          (("torch.tensor([loss_sum, rows], device=self.device)",
            "torch.tensor([loss_sum, len(labels)], device=self.device)"),),
          "the padding rows counted", "10-padding-counted-in-the-figure"),
+    from_mutant("11", "11-blocks-averaged-not-merged", "merge averaged the outputs"),
+    from_mutant("11", "11-later-chunks-not-masked", "the causal mask dropped across chunks"),
+    Case("11", "11_context_parallel",
+         (('        scores = scores.masked_fill(~causal, float("-inf"))', "        pass"),),
+         "the causal mask dropped inside the diagonal block", "11-diagonal-block-not-masked"),
     # Off the checker's list: a loader that drops each epoch's short last batch. The count read
     # is wrong, and no listed cause fits it: the checker says where to look, and names none.
     Case("02", "02_multi_gpu_spawn",
@@ -120,7 +125,7 @@ CASES = [
 ]
 LESSONS = {"02": "02_multi_gpu_spawn", "03": "03_multi_node", "04": "04_checkpointing",
            "07": "07_sharding", "08": "08_ddp_from_scratch", "09": "09_tensor_parallel",
-           "10": "10_pipeline_parallel"}
+           "10": "10_pipeline_parallel", "11": "11_context_parallel"}
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +220,18 @@ def test_bad_input_gets_one_line_within_the_bound(what, tmp_path, monkeypatch):
         assert time.monotonic() - started < 60
         with pytest.raises(ProcessLookupError):
             os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+@pytest.mark.exercises
+def test_a_ring_not_yet_written_cannot_be_checked_and_says_why(tmp_path):
+    # Exercise 11's start: the functions' bodies replaced by raise NotImplementedError.
+    script = copy_lesson("11_context_parallel", tmp_path / "mine", [(
+        "    if k_chunk > q_chunk:\n        return None\n    scores",
+        "    raise NotImplementedError\n    scores")])
+    done = check("11", script.parent / "ring_attention.py", tmp_path)
+    assert (done.returncode, done.stdout.strip()) == (
+        2, "CANNOT CHECK exercise 11 (the ring's causal mask and merge): attend_block raised "
+           "NotImplementedError"), done.stdout + done.stderr
 
 
 def test_a_missing_script_and_an_unknown_exercise_get_one_line(tmp_path):
