@@ -300,6 +300,12 @@ def plan(facts):
         ("09_tensor_parallel", "cpu",
          [f"{python} 09_tensor_parallel/train.py --tp 2 --dp 1{on_cpu}"],
          "2 ranks, each layer split over both (tensor parallelism)", cpu_ok),
+        ("10_pipeline_parallel", "cpu",
+         [f"{python} 10_pipeline_parallel/train.py --stages 2 --dp 1{on_cpu}"],
+         "2 ranks, a stage of the layers each (a pipeline, 1F1B)", cpu_ok),
+        ("11_context_parallel", "cpu",
+         [f"{python} 11_context_parallel/train.py --cp 2 --dp 1{on_cpu}"],
+         "2 ranks share each sequence (ring attention)", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -328,6 +334,13 @@ def plan(facts):
              f"{pairs} TP group(s) of 2 GPUs, FSDP across them, NCCL" if pairs
              else "one rank on cuda:0, nothing to split", gpu_ok),
         ]
+        if pairs:  # a stage, or a CP rank, per GPU: one GPU has nothing to split them over
+            wanted += [
+                ("10_pipeline_parallel", "gpu", [f"{python} 10_pipeline_parallel/train.py"],
+                 f"{pairs} pipeline(s) of 2 stages, a GPU each, NCCL", gpu_ok),
+                ("11_context_parallel", "gpu", [f"{python} 11_context_parallel/train.py"],
+                 f"{pairs} CP group(s) of 2 GPUs, NCCL", gpu_ok),
+            ]
     can, cannot = [], []
     for lesson, where, commands, note, runnable in wanted:
         if any(entry["lesson"] == lesson and entry["where"] == where for entry in cannot):
