@@ -5,7 +5,8 @@ Ring attention and the all-gather way give full attention's output and gradients
 balanced and not, and the balanced layout gives every rank the same work; training with --cp 2,
 --cp 4 and --dp 2 --cp 2 ends on the weights of --cp 1, one process; torchrun restarts a crashed
 run, which resumes bitwise, and a checkpoint loads into another layout; a --seq-len that 2 x
---cp chunks cannot split stops in one line.
+--cp chunks cannot split stops in one line; what attention keeps for backward and sends, per
+rank, measured by benchmarks/context_parallel.py, equals the README's formulas.
 
 Tolerance. In float64 (--float64), the layouts differ only in the order of their sums: each CP
 rank adds its tokens' loss and gradient shares, the ring adds each query's blocks in its own
@@ -17,6 +18,7 @@ none.) In float32 the same runs end about 5e-7 apart, as Adam divides each
 step by its gradient's running size and so turns rounding into steps of about lr, which is why
 the proof runs in float64."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -116,6 +118,29 @@ def test_a_seq_len_that_the_chunks_do_not_split_stops_in_one_line(tmp_path):
     assert_one_line_error(result, "--seq-len 64 does not split into 2 x --cp = 6 equal chunks")
     assert "starting" not in result.stdout
 
+
+
+def test_what_it_costs_is_measured_beside_its_formula(tmp_path):
+    # benchmarks/context_parallel.py --quick: T = 64 and 128, attention plain and by the ring at
+    # N = 1, 2, 4. The bytes attention keeps for backward (counted by saved_tensors_hooks) and
+    # sends (counted at batch_isend_irecv) equal the README's formulas: plain attention keeps the
+    # T x T scores; the ring keeps 1/N of what it keeps at N = 1, and sends (3N - 2) blocks.
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"),
+                           "--quick", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "measured bytes equal the formulas: True" in done.stdout, done.stdout
+    rows = {(r["seq_len"], r["attention"], r["cp"]): r
+            for r in json.loads((tmp_path / "context_parallel.json").read_text())["rows"]}
+    assert len(rows) == 8
+    for length in (64, 128):
+        ring = {n: rows[length, "ring", n] for n in (1, 2, 4)}
+        for n in (2, 4):
+            assert ring[n]["saved_bytes"] * n == ring[1]["saved_bytes"]
+            blocks = 2 * 4 * (length // n) * 8 * 4  # keys and values: heads x tokens x dim x 4 B
+            assert ring[n]["sent_bytes"] == (3 * n - 2) * blocks
+        assert rows[length, "plain", 1]["saved_bytes"] > 2 * 4 * length ** 2 * 4  # the scores
+        assert all(len(r["seconds"]) == 2 and r["tokens_per_s"] > 0 for r in rows.values())
 
 # ---------------------------------------------------------------------------------------------
 # GPU tier: the same on NCCL
