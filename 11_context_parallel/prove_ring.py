@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from guard_rails import spawn_guard
 from ring_attention import all_gather_attention, local_part, ring_attention, sequence_chunks
 
 TOLERANCE = 1e-12  # float64: the same sums in another order differ by ~1e-15
@@ -99,10 +100,8 @@ def main():
     if sys.platform == "linux":  # imported torch once, as train.py's start_ranks does
         mp.set_forkserver_preload(["torch", "torch.distributed"])
         method = "forkserver"
-    try:
+    with spawn_guard("rank"):  # a rank that fails: one line, and the others stop
         mp.start_processes(run, args=(args, port), nprocs=args.cp, start_method=method)
-    except mp.ProcessExitedException:
-        sys.exit(1)
 
 
 if __name__ == "__main__":

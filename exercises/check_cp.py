@@ -120,8 +120,9 @@ def check_ring(script, folder, timeout):
     ring = os.path.join(folder, "ring")
     os.makedirs(ring)
     shutil.copy(os.path.join(os.path.dirname(script), "ring_attention.py"), ring)
-    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LESSON,
-                             "prove_ring.py"), ring)
+    lesson = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), LESSON)
+    for name in ("prove_ring.py", "guard_rails.py"):  # the lesson's proof, and what it imports
+        shutil.copy(os.path.join(lesson, name), ring)
     try:
         done = subprocess.run([sys.executable, "prove_ring.py", "--cp", "4"], cwd=ring,
                               capture_output=True, text=True, timeout=timeout)
