@@ -241,6 +241,16 @@ def test_plan_on_a_machine_with_four_gpus(full_repository):
     assert not [entry for entry in cannot if entry["where"] == "gpu"]
 
 
+def test_plan_on_one_gpu_says_why_lessons_10_and_11_stay_on_the_cpu(full_repository):
+    can, cannot = full_repository.plan(machine(gpus=1, nccl_ok=True, nccl_why=""))
+    assert not commands_for(can, "10_pipeline_parallel", "gpu")
+    assert commands_for(can, "11_context_parallel", "cpu") == [
+        "python 11_context_parallel/train.py --cp 2 --dp 1 --backend gloo"]
+    reasons = {entry["lesson"]: entry["reason"] for entry in cannot if entry["where"] == "gpu"}
+    assert set(reasons) == {"10_pipeline_parallel", "11_context_parallel"}
+    assert reasons["10_pipeline_parallel"].startswith("one GPU: it needs 2, a stage on each")
+
+
 def test_plan_when_nccl_fails_keeps_the_cpu_commands(full_repository):
     can, cannot = full_repository.plan(machine(gpus=2, nccl_ok=False, nccl_why="NCCL failed"))
     assert {entry["lesson"] for entry in can if entry["where"] == "gpu"} == {"01_single_gpu"}
