@@ -360,7 +360,8 @@ def plan(facts):
                              ("11_context_parallel", "half of each sequence")):
             if (ROOT / lesson / "train.py").is_file():
                 cannot.append({"lesson": lesson, "where": "gpu", "reason":
-                               f"one GPU: it needs 2, {each} on each; its CPU command runs"})
+                               f"one GPU, and it needs 2, {each} on each; its CPU command "
+                               "above runs on gloo"})
 
     slurm = "03_multi_node/slurm"
     if not facts["sbatch"]:

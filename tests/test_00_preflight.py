@@ -248,7 +248,7 @@ def test_plan_on_one_gpu_says_why_lessons_10_and_11_stay_on_the_cpu(full_reposit
         "python 11_context_parallel/train.py --cp 2 --dp 1 --backend gloo"]
     reasons = {entry["lesson"]: entry["reason"] for entry in cannot if entry["where"] == "gpu"}
     assert set(reasons) == {"10_pipeline_parallel", "11_context_parallel"}
-    assert reasons["10_pipeline_parallel"].startswith("one GPU: it needs 2, a stage on each")
+    assert reasons["10_pipeline_parallel"].startswith("one GPU, and it needs 2, a stage on each")
 
 
 def test_plan_when_nccl_fails_keeps_the_cpu_commands(full_repository):
