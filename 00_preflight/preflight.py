@@ -355,7 +355,7 @@ def plan(facts):
             can.append({"lesson": lesson, "where": where, "commands": commands, "note": note})
     if not gpus:
         cannot.append({"lesson": "every lesson", "where": "gpu", "reason": facts["gpu_why"]})
-    elif gpus == 1:  # lessons 10 and 11 split the work over 2 ranks: one GPU cannot hold both
+    elif gpus == 1:  # lessons 10 and 11 split the work over 2 ranks, and NCCL needs a GPU each
         for lesson, each in (("10_pipeline_parallel", "a stage"),
                              ("11_context_parallel", "half of each sequence")):
             if (ROOT / lesson / "train.py").is_file():
