@@ -8,12 +8,12 @@ it when a message surprises you.
 
 Its parts, in this order, and the lessons that use each:
     flags, the launcher, --out-dir, Ctrl-C      every lesson
-    flags of one lesson that cannot work        06, 07, 09, 10, 11
-    ranks that fail, stall or lose each other   02 to 11, and benchmarks/
-    nodes                                       03; nodes' backends compared: 09, 10, 11
+    flags of one lesson that cannot work        06, 07, 09, 10, 11, 12
+    ranks that fail, stall or lose each other   02 to 12, and benchmarks/
+    nodes                                       03; nodes' backends compared: 09 to 12
     a save that fails                           every lesson
-    resuming from one file                      04; its restart store: 04, 07, 09, 10, 11
-    sharded checkpoints (DCP)                   07, 09, 10, 11
+    resuming from one file                      04; its restart store: 04, 07, 09 to 12
+    sharded checkpoints (DCP)                   07, 09 to 12
 """
 
 import contextlib
@@ -304,6 +304,31 @@ def check_context_parallel(args):
     if args.batch_size % args.dp:
         fail(f"--batch-size {args.batch_size}, the global batch, does not split over --dp "
              f"{args.dp}; use a multiple of {args.dp}")
+    if args.dim % args.heads:
+        fail(f"--heads {args.heads} does not divide --dim {args.dim}: each head takes "
+             f"dim / heads of every token's features")
+
+
+def check_expert_parallel(args):
+    """Refuse, before any rank starts, a --dp x --ep layout that cannot share out the experts."""
+    if args.dp is None:  # torchrun's ranks, or else the GPUs, in EP groups of --ep; at least 1
+        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
+        args.dp = max(1, ranks // args.ep)
+    if started_by_torchrun() and args.dp * args.ep != args.world_size:
+        fail(f"--dp {args.dp} x --ep {args.ep} = {args.dp * args.ep} ranks, but torchrun "
+             f"started {args.world_size}; start dp x ep processes in all, or change --dp or --ep")
+    if args.ep < 1 or args.experts % args.ep:
+        fail(f"--experts {args.experts} does not share out over --ep {args.ep}: every rank of "
+             f"an EP group holds experts / ep of them; use an --ep that divides {args.experts}")
+    if not 1 <= args.top_k <= args.experts:
+        fail(f"--top-k {args.top_k} must be from 1 to --experts {args.experts}: the experts "
+             "each token goes to")
+    if args.batch_size % (args.dp * args.ep):
+        fail(f"--batch-size {args.batch_size}, the global batch, does not split over --dp x --ep "
+             f"= {args.dp * args.ep} ranks (each reads its own sequences); use a multiple of "
+             f"{args.dp * args.ep}")
+    if args.capacity_factor < 0 or args.balance_loss < 0:
+        fail("--capacity-factor and --balance-loss must be 0 (off) or more")
     if args.dim % args.heads:
         fail(f"--heads {args.heads} does not divide --dim {args.dim}: each head takes "
              f"dim / heads of every token's features")
@@ -935,12 +960,15 @@ def check_checkpoint(path, args):
 def checkpoint_sizes(tensors):
     """{flag: value} of the model a checkpoint holds, read from its tensors' sizes: the wine
     MLP's --hidden and --layers (lessons 07 to 10), or the GPT's --dim, --seq-len and --layers
-    (lesson 11)."""
+    (lesson 11), and --experts (lesson 12)."""
     if "model.tokens.weight" in tensors:
-        return {"--dim": tensors["model.tokens.weight"].size[1],
-                "--seq-len": tensors["model.positions.weight"].size[0],
-                "--layers": sum(key.startswith("model.blocks.") and key.endswith(".norm1.weight")
-                                for key in tensors)}
+        sizes = {"--dim": tensors["model.tokens.weight"].size[1],
+                 "--seq-len": tensors["model.positions.weight"].size[0],
+                 "--layers": sum(key.startswith("model.blocks.") and key.endswith(".norm1.weight")
+                                 for key in tensors)}
+        if "model.blocks.0.moe.router.weight" in tensors:
+            sizes["--experts"] = tensors["model.blocks.0.moe.router.weight"].size[0]
+        return sizes
     return {"--hidden": tensors["model.fc1.weight"].size[0],
             "--layers": 1 + sum(key.startswith("model.hidden.") and key.endswith(".weight")
                                 for key in tensors)}
