@@ -306,6 +306,9 @@ def plan(facts):
         ("11_context_parallel", "cpu",
          [f"{python} 11_context_parallel/train.py --cp 2 --dp 1{on_cpu}"],
          "2 ranks share each sequence (ring attention)", cpu_ok),
+        ("12_expert_parallel", "cpu",
+         [f"{python} 12_expert_parallel/train.py --ep 2 --dp 1{on_cpu}"],
+         "2 ranks, 2 experts each, the tokens sent to them by all-to-all", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -334,12 +337,14 @@ def plan(facts):
              f"{pairs} TP group(s) of 2 GPUs, FSDP across them, NCCL" if pairs
              else "one rank on cuda:0, nothing to split", gpu_ok),
         ]
-        if pairs:  # a stage, or a CP rank, per GPU: one GPU has nothing to split them over
+        if pairs:  # a stage, a CP or an EP rank per GPU: one GPU has nothing to split them over
             wanted += [
                 ("10_pipeline_parallel", "gpu", [f"{python} 10_pipeline_parallel/train.py"],
                  f"{pairs} pipeline(s) of 2 stages, a GPU each, NCCL", gpu_ok),
                 ("11_context_parallel", "gpu", [f"{python} 11_context_parallel/train.py"],
                  f"{pairs} CP group(s) of 2 GPUs, NCCL", gpu_ok),
+                ("12_expert_parallel", "gpu", [f"{python} 12_expert_parallel/train.py"],
+                 f"{pairs} EP group(s) of 2 GPUs, NCCL", gpu_ok),
             ]
     can, cannot = [], []
     for lesson, where, commands, note, runnable in wanted:
@@ -355,9 +360,10 @@ def plan(facts):
             can.append({"lesson": lesson, "where": where, "commands": commands, "note": note})
     if not gpus:
         cannot.append({"lesson": "every lesson", "where": "gpu", "reason": facts["gpu_why"]})
-    elif gpus == 1:  # lessons 10 and 11 split the work over 2 ranks, and NCCL needs a GPU each
+    elif gpus == 1:  # lessons 10 to 12 split the work over 2 ranks; NCCL needs a GPU each
         for lesson, each in (("10_pipeline_parallel", "a stage"),
-                             ("11_context_parallel", "half of each sequence")):
+                             ("11_context_parallel", "half of each sequence"),
+                             ("12_expert_parallel", "half of the experts")):
             if (ROOT / lesson / "train.py").is_file():
                 cannot.append({"lesson": lesson, "where": "gpu", "reason":
                                f"one GPU, and it needs 2, {each} on each; its CPU command "

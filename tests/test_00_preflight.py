@@ -75,6 +75,7 @@ def test_lists_the_cpu_command_of_every_lesson_present(preflight):
     assert "09_tensor_parallel/train.py --tp 2 --dp 1" in commands
     assert "10_pipeline_parallel/train.py --stages 2 --dp 1" in commands
     assert "11_context_parallel/train.py --cp 2 --dp 1" in commands
+    assert "12_expert_parallel/train.py --ep 2 --dp 1" in commands
     if not (ROOT / "04_checkpointing" / "train.py").is_file():
         assert ("04_checkpointing, CPU: 04_checkpointing/train.py is not in this copy of the "
                 "repository") in preflight.stdout
@@ -198,7 +199,7 @@ def full_repository(tmp_path):
                  "06_ddp_in_practice/train.py",
                  "07_sharding/train.py", "08_ddp_from_scratch/train.py",
                  "09_tensor_parallel/train.py", "10_pipeline_parallel/train.py",
-                 "11_context_parallel/train.py",
+                 "11_context_parallel/train.py", "12_expert_parallel/train.py",
                  "03_multi_node/slurm/train.sbatch", "03_multi_node/slurm/local_cluster.sh"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()
@@ -232,23 +233,27 @@ def test_plan_on_a_machine_with_four_gpus(full_repository):
         "python 04_checkpointing/train.py --save-every 2 --world-size 2 --backend gloo"]
     assert commands_for(can, "05_model_parallel_ddp", "cpu") == [
         "python 05_model_parallel_ddp/train.py --world-size 2 --backend gloo"]
-    # Lessons 10 and 11 on GPUs: 2 pipelines, 2 CP groups (--dp from the GPUs); on the CPU,
-    # --dp 1, or their --dp would count the 4 GPUs and start 4 CPU ranks.
+    # Lessons 10 to 12 on GPUs: 2 pipelines, 2 CP or EP groups (--dp from the GPUs); on the
+    # CPU, --dp 1, or their --dp would count the 4 GPUs and start 4 CPU ranks.
     assert commands_for(can, "10_pipeline_parallel", "gpu") == [
         "python 10_pipeline_parallel/train.py"]
     assert commands_for(can, "11_context_parallel", "cpu") == [
         "python 11_context_parallel/train.py --cp 2 --dp 1 --backend gloo"]
+    assert commands_for(can, "12_expert_parallel", "gpu") == ["python 12_expert_parallel/train.py"]
+    assert commands_for(can, "12_expert_parallel", "cpu") == [
+        "python 12_expert_parallel/train.py --ep 2 --dp 1 --backend gloo"]
     assert not [entry for entry in cannot if entry["where"] == "gpu"]
 
 
-def test_plan_on_one_gpu_says_why_lessons_10_and_11_stay_on_the_cpu(full_repository):
+def test_plan_on_one_gpu_says_why_lessons_10_to_12_stay_on_the_cpu(full_repository):
     can, cannot = full_repository.plan(machine(gpus=1, nccl_ok=True, nccl_why=""))
     assert not commands_for(can, "10_pipeline_parallel", "gpu")
     assert commands_for(can, "11_context_parallel", "cpu") == [
         "python 11_context_parallel/train.py --cp 2 --dp 1 --backend gloo"]
     reasons = {entry["lesson"]: entry["reason"] for entry in cannot if entry["where"] == "gpu"}
-    assert set(reasons) == {"10_pipeline_parallel", "11_context_parallel"}
+    assert set(reasons) == {"10_pipeline_parallel", "11_context_parallel", "12_expert_parallel"}
     assert reasons["10_pipeline_parallel"].startswith("one GPU, and it needs 2, a stage on each")
+    assert reasons["12_expert_parallel"].startswith("one GPU, and it needs 2, half of the experts")
 
 
 def test_plan_when_nccl_fails_keeps_the_cpu_commands(full_repository):

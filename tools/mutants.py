@@ -530,6 +530,68 @@ MUTANTS = [
         tests=("tests/test_11_context_parallel.py::"
                "test_every_layout_takes_the_steps_of_one_process[cp2]",),
     ),
+    # --- lesson 12: expert parallelism ---
+    Mutant(
+        id="12-router-weights-not-applied",
+        file="12_expert_parallel/experts.py",
+        find="index_add(0, token, y * weight[:, None])",
+        replace="index_add(0, token, y)",
+        claim="Each token gets its experts' outputs times the router's weights.",
+        readme="12_expert_parallel/README.md#dispatch-and-combine",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_moe_by_hand_equals_every_expert_on_every_token",),
+    ),
+    Mutant(
+        id="12-results-sent-back-in-the-wrong-order",
+        file="12_expert_parallel/experts.py",
+        find="exchange(outputs[by_expert.argsort()], receive, send, group)",
+        replace="exchange(outputs, receive, send, group)",
+        claim="An expert's rank sends each result back in the order its row arrived.",
+        readme="12_expert_parallel/README.md#dispatch-and-combine",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_moe_by_hand_equals_every_expert_on_every_token",),
+    ),
+    Mutant(
+        id="12-combined-in-the-unsorted-order",
+        file="12_expert_parallel/experts.py",
+        find="token, expert, weight = token[order], expert[order], weight[order]",
+        replace="expert, weight = expert[order], weight[order]",
+        claim="Each result is added to the token it was computed for.",
+        readme="12_expert_parallel/README.md#dispatch-and-combine",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_moe_by_hand_equals_every_expert_on_every_token",),
+    ),
+    Mutant(
+        id="12-capacity-not-applied",
+        file="12_expert_parallel/experts.py",
+        find="    if capacity is None:\n        return torch.ones_like(chosen, dtype=torch.bool)",
+        replace="    if True:\n        return torch.ones_like(chosen, dtype=torch.bool)",
+        claim="An expert takes at most its capacity of each sequence's choices, the same on "
+              "every layout.",
+        readme="12_expert_parallel/README.md#load-capacity-and-balance",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_a_capacity_limit_drops_the_same_choices_on_every_layout",),
+    ),
+    Mutant(
+        id="12-gradients-outside-the-experts-not-summed",
+        file="12_expert_parallel/train.py",
+        find="        sum_gradients(self.dense, None)",
+        replace="        pass",
+        claim="The weights outside the experts are every rank's: their gradients summed over all.",
+        readme="12_expert_parallel/README.md#equal-to-one-process",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_every_layout_takes_the_steps_of_one_process[ep2]",),
+    ),
+    Mutant(
+        id="12-expert-gradients-not-summed-over-copies",
+        file="12_expert_parallel/train.py",
+        find="        sum_gradients(self.experts, self.dp_group)",
+        replace="        pass",
+        claim="With --dp 2, each expert's gradient is summed over the ranks that hold a copy.",
+        readme="12_expert_parallel/README.md#equal-to-one-process",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_every_layout_takes_the_steps_of_one_process[dp2ep2]",),
+    ),
     Mutant(
         id="09-nodes-backends-not-compared",
         file="09_tensor_parallel/guard_rails.py",
