@@ -9,7 +9,8 @@ weights before each step, the files it loaded and saved). It prints one verdict 
 run differs, the most likely mistake, decided from what it measured, and where to look. Everything
 it writes goes into one temporary folder, removed at the end. Exercises 09 (tensor parallelism)
 and 10 (a pipeline) add checks of their own: check_tp.py and check_pp.py. Exercise 11 (the ring's
-merge) checks your ring_attention.py against full attention instead: check_cp.py.
+merge) checks your ring_attention.py against full attention instead: check_cp.py; exercise 12
+(the dispatch and combine) your experts.py against every expert run on every token: check_ep.py.
 
 Exit status: 0 your script passes, 1 it runs but differs (the mistake is named), 2 it could not be
 checked (no such script, it failed, it hung, it wrote nothing or files in another shape).
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import check_cp
+import check_ep
 import check_pp
 import check_tp
 from verdicts import TOLERANCE, Mistake, Unchecked, readme, same
@@ -53,7 +55,8 @@ class Exercise:
     without: str = ""  # a module class the exercise takes out, which your run must not use
     layout: str = "data"  # what a rank holds: the whole model ("data"), a slice of each layer
     # ("tensor": check_tp.py's checks), or some of the layers ("pipeline": check_pp.py's); or
-    # "context": the ring attention alone, checked by check_cp.py
+    # "context": the ring attention alone, checked by check_cp.py; "experts": the mixture of
+    # experts' dispatch and combine alone, checked by check_ep.py
     passes: str = "your script ends where {lesson} does, on every check"  # the PASS line's end
 
 
@@ -91,6 +94,12 @@ EXERCISES = {
     "11": Exercise("the ring's causal mask and merge", "11_ring_merge.md", "11_context_parallel",
                    [], world_size=4, layout="context",
                    passes="your ring attention equals full attention, on every check"),
+    # Your experts.py (beside the script named), against every expert on every token, on one
+    # process; then at --ep 2 and 4, with 2 experts per rank.
+    "12": Exercise("the dispatch and combine", "12_dispatch_and_combine.md",
+                   "12_expert_parallel", [], world_size=4, layout="experts",
+                   passes="your mixture of experts equals every expert run on every token, on "
+                          "every check"),
 }
 # Lesson 07's own flag that picks what the exercise builds: FSDP2.
 LESSON_ONLY_FLAGS = {"07_sharding": ["--strategy", "fsdp"]}
@@ -623,6 +632,8 @@ def check(exercise, script, timeout):
     try:
         if exercise.layout == "context":
             return check_cp.check(script, folder, timeout)
+        if exercise.layout == "experts":
+            return check_ep.check(script, folder, timeout)
         yours = run_script(exercise, script, os.path.join(folder, "yours"), timeout)
         check_joined(yours, exercise)
         check_writers(yours.ranks)  # these hold even for a run that then failed, and so do
@@ -681,7 +692,8 @@ def check(exercise, script, timeout):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exercise", help=f"the exercise: {', '.join(EXERCISES)}")
-    parser.add_argument("script", help="your train.py (exercise 11: your ring_attention.py)")
+    parser.add_argument("script", help="your train.py (exercise 11: your ring_attention.py; "
+                        "12: your experts.py)")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds each run may take before it is stopped")
     args = parser.parse_args(argv)

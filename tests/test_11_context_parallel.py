@@ -39,6 +39,7 @@ from helpers import (
 
 LESSON = "11_context_parallel"
 TOLERANCE = 1e-12
+CPU = ["--backend", "gloo", "--dp", "1"]  # the CPU tier stays on gloo even where GPUs exist
 SMALL = ["--float64", "--epochs", "2", "--save-every", "1"]
 LAYOUTS = {"cp1": ["--cp", "1"], "cp2": ["--cp", "2"], "cp4": ["--cp", "4"],
            "dp2cp2": ["--dp", "2", "--cp", "2"]}
@@ -52,7 +53,7 @@ def runs(tmp_path_factory):
     def run(name):
         if name not in made:
             out = tmp_path_factory.mktemp(name)
-            check_ok(run_lesson(LESSON, *LAYOUTS[name], *SMALL, "--out-dir", out))
+            check_ok(run_lesson(LESSON, *CPU, *LAYOUTS[name], *SMALL, "--out-dir", out))
             made[name] = out
         return made[name]
 
@@ -85,9 +86,9 @@ def test_torchrun_restarts_a_crashed_run_which_resumes_bitwise(runs, tmp_path):
     # torchrun, --cp 2: rank 1 raises in epoch 2, torchrun starts both again (--max-restarts 1),
     # they resume from epoch 1's checkpoint and end bitwise on a run of 3 epochs that never
     # stopped. Then the 2-epoch --cp 4 run's checkpoint, resumed by --cp 2: within TOLERANCE.
-    three = ["--cp", "2", "--float64", "--epochs", "3"]
+    three = ["--cp", "2", "--float64", "--epochs", "3", "--backend", "gloo"]
     straight = tmp_path / "straight"
-    check_ok(run_lesson(LESSON, *three, "--out-dir", straight))
+    check_ok(run_lesson(LESSON, *CPU, *three, "--out-dir", straight))
     restarted = tmp_path / "restarted"
     result = run_torchrun(LESSON, *three, "--save-every", 1, "--out-dir", restarted,
                           torchrun_args=["--max-restarts", 1], patch="raise-on-rank-1")
@@ -98,7 +99,7 @@ def test_torchrun_restarts_a_crashed_run_which_resumes_bitwise(runs, tmp_path):
     assert max_weight_difference(straight, restarted) == 0
     other = tmp_path / "from_cp4"
     shutil.copytree(runs("cp4") / "checkpoint", other / "checkpoint")
-    result = check_ok(run_lesson(LESSON, *three, "--out-dir", other))
+    result = check_ok(run_lesson(LESSON, *CPU, *three, "--out-dir", other))
     assert "2 of 3 epochs done, written by --dp 1 --cp 4, loaded by --dp 1 --cp 2" in result.stdout
     assert read_metrics(other)["resumed_after_epoch"] == 2
     assert max_weight_difference(straight, other) < TOLERANCE

@@ -116,6 +116,49 @@ CASES = [
     Case("11", "11_context_parallel",
          (('        scores = scores.masked_fill(~causal, float("-inf"))', "        pass"),),
          "the causal mask dropped inside the diagonal block", "11-diagonal-block-not-masked"),
+    # Exercise 12 on one process: what each token got (with top-1, one result each) names it.
+    from_mutant("12", "12-router-weights-not-applied", "the router's weights were not applied"),
+    # The tokens left unsorted: their rows reach the experts in token order.
+    from_mutant("12", "12-combined-in-the-unsorted-order", "not grouped by expert"),
+    Case("12", "12_expert_parallel",
+         (("        order = expert.argsort(stable=True)\n",
+           "        order = expert.argsort(stable=True)\n        unsorted = token\n"),
+          ("index_add(0, token,", "index_add(0, unsorted,")),
+         "added each result to another token than the one it was run for",
+         "12-combine-in-the-order-before-the-sort"),
+    Case("12", "12_expert_parallel",
+         (("token, expert, weight = token[order], expert[order], weight[order]",
+           "token, expert = token[order], expert[order]"),),
+         "multiplied by another choice's weight", "12-weights-not-sorted"),
+    Case("12", "12_expert_parallel",
+         (("torch.zeros_like(x).index_add(0,", "torch.zeros_like(x).index_copy(0,"),),
+         "were not both added", "12-results-copied-not-added"),
+    Case("12", "12_expert_parallel",
+         (("token.expand_as(chosen)[kept], chosen[kept], weights[kept]",
+           "token.expand_as(chosen).flatten(), chosen.flatten(), weights.flatten()"),),
+         "the choices the capacity limit drops were run too", "12-dropped-choices-run"),
+    Case("12", "12_expert_parallel", (("y * weight[:, None]", "y * weight.detach()[:, None]"),),
+         "the router learns through the weights", "12-weights-detached"),
+    # Exercise 12 on 2 and 4 ranks, one process right: only a rank that receives rows from
+    # several ranks for several experts has rows to group by expert, and to put back.
+    from_mutant("12", "12-results-sent-back-in-the-wrong-order",
+                "put the results back in the order received"),
+    Case("12", "12_expert_parallel",
+         (("torch.arange(len(mine), device=rows.device).repeat(ep)",
+           "torch.arange(len(mine), device=rows.device).repeat_interleave(ep)"),),
+         "the rows a rank received were run by the wrong experts", "12-received-grouped-wrongly"),
+    Case("12", "12_expert_parallel",
+         (("            dist.all_to_all_single(received_counts, counts, group=group)\n",
+           "            pass\n"),),
+         "exchange the counts first", "12-counts-not-exchanged"),
+    Case("12", "12_expert_parallel",
+         (("        received = exchange(rows, send, receive, group)",
+           "        received = rows\n"
+           "        if group is not None:  # a bare all-to-all: no gradient on the way back\n"
+           "            received = rows.new_empty(sum(receive), *rows.shape[1:])\n"
+           "            dist.all_to_all_single(received, rows.detach(), receive, send, "
+           "group=group)"),),
+         "the rows must cross ranks by exchange()", "12-rows-sent-by-a-bare-all-to-all"),
     # Off the checker's list: a loader that drops each epoch's short last batch. The count read
     # is wrong, and no listed cause fits it: the checker says where to look, and names none.
     Case("02", "02_multi_gpu_spawn",
@@ -125,7 +168,7 @@ CASES = [
 ]
 LESSONS = {"02": "02_multi_gpu_spawn", "03": "03_multi_node", "04": "04_checkpointing",
            "07": "07_sharding", "08": "08_ddp_from_scratch", "09": "09_tensor_parallel",
-           "10": "10_pipeline_parallel", "11": "11_context_parallel"}
+           "10": "10_pipeline_parallel", "11": "11_context_parallel", "12": "12_expert_parallel"}
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +274,22 @@ def test_a_ring_not_yet_written_cannot_be_checked_and_says_why(tmp_path):
     done = check("11", script.parent / "ring_attention.py", tmp_path)
     assert (done.returncode, done.stdout.strip()) == (
         2, "CANNOT CHECK exercise 11 (the ring's causal mask and merge): attend_block raised "
+           "NotImplementedError"), done.stdout + done.stderr
+
+
+@pytest.mark.exercises
+@pytest.mark.parametrize("function, find", [
+    # Exercise 12's start: the dispatch and combine replaced by raise NotImplementedError; and
+    # half way, the dispatch and combine written, run_experts not yet.
+    ("MoE.forward", "        # Every kept choice as (token, expert, weight), grouped by expert"),
+    ("MoE.run_experts", "        group = self.ep_group\n")], ids=["forward", "run_experts"])
+def test_exercise_12_not_yet_written_cannot_be_checked_and_says_which_function(function, find,
+                                                                               tmp_path):
+    script = copy_lesson("12_expert_parallel", tmp_path / "mine",
+                         [(find, "        raise NotImplementedError\n" + find)])
+    done = check("12", script.parent / "experts.py", tmp_path)
+    assert (done.returncode, done.stdout.strip()) == (
+        2, f"CANNOT CHECK exercise 12 (the dispatch and combine): {function} raised "
            "NotImplementedError"), done.stdout + done.stderr
 
 

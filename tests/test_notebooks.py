@@ -107,6 +107,14 @@ EXPECTED_TEXT = {
                              "bubble: True",
                              "same weights under all three schedules (within 1e-6): True",
                              "test accuracy:"],
+    "12_expert_parallel": ["drawing agrees with MoE.load: True",
+                           "MoE equals every expert on every token: True",
+                           "kept 24 of 32 choices (75%)",
+                           "each expert takes the first min(choices, 4), and MoE.load counts "
+                           "those: True", "dropped tokens get 0 from the layer: True",
+                           "every step routes all 2048 choices of each block: True",
+                           "--ep 2 against --ep 1 in float64: largest difference",
+                           "equal within 1e-10: True"],
 }
 
 
@@ -315,7 +323,7 @@ def test_readmes_line_executes_its_notebooks(line, jupyter_path, tmp_path):
 
 def rank_runs(notebook):
     """The arguments of every run of several ranks a notebook starts (run_lesson calls and
-    command lists naming --world-size, --nproc-per-node, --stages or --cp), with *name and
+    command lists naming --world-size, --nproc-per-node, --stages, --cp or --ep), with *name and
     *map(str, name) expanded from the notebook's own list assignments."""
     code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
     code = code.replace("%matplotlib inline", "")  # IPython's, not Python's
@@ -342,7 +350,7 @@ def rank_runs(notebook):
             found = list(strings(node.elts))
         else:
             continue
-        if {"--world-size", "--nproc-per-node", "--stages", "--cp"} & set(found):
+        if {"--world-size", "--nproc-per-node", "--stages", "--cp", "--ep"} & set(found):
             yield found
 
 
