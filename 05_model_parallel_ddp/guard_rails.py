@@ -71,11 +71,11 @@ def check_args(args):
             fail(f"--{name.replace('_', '-')} must be a finite number (got {value})")
     for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
                  "crash_at_epoch", "hidden", "layers", "dp", "tp", "stages", "microbatches",
-                 "cp", "seq_len", "dim", "heads"):
+                 "cp", "pp", "seq_len", "dim", "heads"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    for name in ("lr", "timeout"):
+    for name in ("lr", "timeout", "max_norm"):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             fail(f"--{name} must be positive (got {value:g})")
@@ -332,6 +332,42 @@ def check_expert_parallel(args):
     if args.dim % args.heads:
         fail(f"--heads {args.heads} does not divide --dim {args.dim}: each head takes "
              f"dim / heads of every token's features")
+
+
+def check_layout(args):
+    """Refuse, before any rank starts, a --dp x --pp x --tp layout that cannot split the GPT."""
+    ranks_per_pipeline = args.pp * args.tp
+    if args.dp is None:  # torchrun's ranks, else the GPUs, in pipelines of pp x tp; else 2
+        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
+        args.dp = max(1, ranks // ranks_per_pipeline) if ranks >= ranks_per_pipeline else 2
+    world = args.dp * ranks_per_pipeline
+    if started_by_torchrun() and world != args.world_size:
+        fail(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = {world} ranks, but torchrun "
+             f"started {args.world_size}; start dp x pp x tp processes in all, or change them")
+    if args.dim % args.heads:
+        fail(f"--heads {args.heads} does not divide --dim {args.dim}: each head takes "
+             f"dim / heads of every token's features")
+    if args.heads % args.tp:
+        fail(f"--tp {args.tp} does not divide --heads {args.heads}: each rank of a TP group holds "
+             f"heads / tp whole heads (and dim / tp = {args.dim / args.tp:g} of the width); "
+             f"choose a --tp that divides {args.heads}")
+    if args.layers % args.pp:
+        fail(f"--layers {args.layers} do not split evenly over --pp {args.pp} stages; use a "
+             f"multiple of {args.pp}, such as --layers {args.pp * max(1, args.layers // args.pp)}")
+    if args.seq_len % args.tp:
+        fail(f"--seq-len {args.seq_len} does not split over --tp {args.tp}: between its layers, "
+             f"each rank of a TP group holds seq_len / tp of the tokens; use a multiple of "
+             f"{args.tp}")
+    per_dp = args.batch_size // args.dp
+    if args.batch_size % args.dp or per_dp % args.microbatches:
+        fail(f"--batch-size {args.batch_size}, the global batch, does not split over --dp "
+             f"{args.dp} x --microbatches {args.microbatches}; use a multiple of "
+             f"{args.dp * args.microbatches}")
+    if args.schedule == "1f1b" and args.microbatches < args.pp:
+        fail(f"--schedule 1f1b needs at least one micro-batch per stage (torch's Schedule1F1B "
+             f"refuses fewer): --microbatches {args.microbatches} is fewer than --pp {args.pp}")
+    if started_by_torchrun() and os.environ.get("RANK") == "0":  # one line, not one per rank
+        note_groups_across_nodes(args.tp, args.dp * args.pp, int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
 def port_in_use(port):
@@ -960,7 +996,7 @@ def check_checkpoint(path, args):
 def checkpoint_sizes(tensors):
     """{flag: value} of the model a checkpoint holds, read from its tensors' sizes: the wine
     MLP's --hidden and --layers (lessons 07 to 10), or the GPT's --dim, --seq-len and --layers
-    (lesson 11), and --experts (lesson 12)."""
+    (lessons 11 to 13), and --experts (lesson 12)."""
     if "model.tokens.weight" in tensors:
         sizes = {"--dim": tensors["model.tokens.weight"].size[1],
                  "--seq-len": tensors["model.positions.weight"].size[0],

@@ -35,9 +35,8 @@ import torch.nn.functional as F
 
 LESSON = Path(__file__).resolve().parent.parent / "11_context_parallel"
 sys.path.insert(0, str(LESSON))
-import train as lesson11  # noqa: E402
-
 import ring_attention  # noqa: E402  (lesson 11's idea, not a copy)
+import train as lesson11  # noqa: E402
 
 SIZES = (1, 2, 4)  # CP group sizes; the run starts max(SIZES) ranks
 CASES = [("plain", 1), ("ring", 1), ("ring", 2), ("ring", 4)]  # attention, ranks sharing it

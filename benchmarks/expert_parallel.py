@@ -42,7 +42,6 @@ import torch.distributed as dist
 LESSON = Path(__file__).resolve().parent.parent / "12_expert_parallel"
 sys.path.insert(0, str(LESSON))
 import train as lesson12  # noqa: E402
-
 from experts import MoE  # noqa: E402  (lesson 12's idea, not a copy)
 
 SIZES = (1, 2, 4)  # EP group sizes; the run starts max(SIZES) ranks

@@ -1,0 +1,183 @@
+"""Lesson 13's proof: every layout of dp, pp and tp takes one process's steps, and three mistakes
+do not.
+
+It starts 8 ranks once (gloo, on the CPU, in float64). Every rank first trains the plain model
+alone: 3 steps, each on a global batch of 16 of train.py's sequences, Adam, clipped to
+the norm 0.25. Then the ranks run the layouts, several at once on different ranks, each with
+train.py's own parallelize and Trainer.train_step: every layout from 1 x 1 x 1 to 2 x 2 x 2,
+and 1 x 2 x 2 again with the 1F1B schedule. Each must end within TOLERANCE of one process. Then
+three controls, each one line of the lesson undone, must end far from it:
+
+    norms of a rank's own tokens              their gradients not summed over the tp ranks
+    no FSDP over dp                           each dp rank steps with its own sequences' gradients
+    each stage clipped by its own norm        clip_grad_norm_, as on one process
+
+    python 13_capstone/prove_layouts.py
+"""
+
+import contextlib
+import datetime
+import os
+import sys
+from argparse import Namespace
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ParallelStyle
+
+import parallelize as lesson
+from guard_rails import spawn_guard
+from train import TinyGPT, Trainer, find_free_port, load_data, parallelize, start_ranks
+
+TOLERANCE = 1e-12  # float64: the same sums in another order differ by ~1e-14 after 3 steps
+CAUGHT = 1e-6  # a control must end at least this far from one process
+# MAX_NORM: below the first steps' gradient norms (0.71, 0.52, 0.45), so that every step clips
+STEPS, BATCH, MAX_NORM, LR = 3, 16, 0.25, 1e-2
+WORLD = 8
+
+# Rounds of layouts, each on its own ranks: (name, (dp, pp, tp), first rank, mistake).
+ROUNDS = [
+    [("2 x 2 x 2", (2, 2, 2), 0, None)],
+    [("2 x 2 x 1", (2, 2, 1), 0, None), ("2 x 1 x 2", (2, 1, 2), 4, None)],
+    [("1 x 2 x 2", (1, 2, 2), 0, None), ("2 x 1 x 1", (2, 1, 1), 4, None),
+     ("1 x 2 x 1", (1, 2, 1), 6, None)],
+    [("1 x 1 x 2", (1, 1, 2), 0, None), ("1 x 1 x 1", (1, 1, 1), 2, None),
+     ("1 x 2 x 2, 1F1B, 4 micro-batches", (1, 2, 2), 4, "1f1b")],
+    [("norm gradients not summed over tp", (1, 1, 2), 0, "norms"),
+     ("no FSDP over dp", (2, 1, 1), 2, "no fsdp"),
+     ("each stage clipped by its own norm", (1, 2, 1), 4, "clip")],
+]
+
+
+class NormOfOwnTokens(ParallelStyle):
+    """The first control's mistake, the sequence-parallel norm of a hand-made TP: its weights
+    whole on every tp rank, run on the rank's own tokens, and the gradients of those weights
+    (each rank's of its own tokens) never summed over tp. to_local() passes a gradient back
+    as it is: a Replicate weight's gradient is taken to be whole already."""
+
+    def _apply(self, module, device_mesh):
+        for name, weight in list(module.named_parameters()):
+            module.register_parameter(name, nn.Parameter(
+                DTensor.from_local(weight.detach(), device_mesh, [Replicate()])))
+        module.forward = lambda x: F.layer_norm(x, module.normalized_shape,
+                                                module.weight.to_local(),
+                                                module.bias.to_local(), module.eps)
+        return module
+
+
+def mistake(kind):
+    """The lesson's code with one line undone, for the controls; nothing for the layouts."""
+    if kind == "norms":
+        return mock.patch.object(lesson, "SequenceParallel", NormOfOwnTokens)
+    if kind == "no fsdp":
+        return mock.patch("parallelize.fully_shard", lambda module, mesh: module)
+    if kind == "clip":  # train.py imported clip_whole_model by name: patch its copy
+        return mock.patch("train.clip_whole_model", lambda params, max_norm, group:
+                          torch.nn.utils.clip_grad_norm_(list(params), max_norm))
+    return contextlib.nullcontext()
+
+
+def one_process(batches, seq_len):
+    """The reference: the whole model on one process, each step on the whole global batch."""
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for batch in batches:
+        optimizer.zero_grad()
+        logits = model(batch[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def run_layout(mesh, batches, seq_len, kind):
+    """train.py's steps on this layout; {name: largest difference} of this rank's stage."""
+    dp, pp, tp = mesh.shape
+    args = Namespace(dp=dp, pp=pp, tp=tp, batch_size=BATCH, seq_len=seq_len, max_norm=MAX_NORM,
+                     schedule="1f1b" if kind == "1f1b" else "gpipe",
+                     microbatches=4 if kind == "1f1b" else 2, save_every=STEPS, out_dir="")
+    torch.manual_seed(0)
+    model = TinyGPT(seq_len)
+    with mistake(kind):
+        schedule = parallelize(model, mesh, torch.device("cpu"), args)
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+        trainer = Trainer(model, schedule, None, optimizer, torch.device("cpu"), args,
+                          dist.get_rank(), mesh)
+        dp_rank = mesh["dp"].get_local_rank()
+        for batch in batches:  # this dp rank's sequences: every dp-th one
+            trainer.train_step(batch[dp_rank::dp])
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+            for name, p in model.named_parameters()}
+
+
+def each_rank(rank, port, seq_len):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=120))
+    torch.set_default_dtype(torch.float64)
+    train_set, _ = load_data(seq_len)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))
+    batches = [train_set.tensors[0][order[s * BATCH:(s + 1) * BATCH]] for s in range(STEPS)]
+    reference = one_process(batches, seq_len)
+    found = []  # (layout, caught by a control?, parameter names this rank compared, difference)
+    for layouts in ROUNDS:
+        for name, shape, first, kind in layouts:
+            ranks = range(first, first + shape[0] * shape[1] * shape[2])
+            # Every rank makes every mesh, in the same order: each makes its groups with
+            # new_group, which every rank of the world calls (a rank outside one just keeps it).
+            mesh = DeviceMesh("cpu", torch.tensor(list(ranks)).view(shape),
+                              mesh_dim_names=("dp", "pp", "tp"))
+            if rank in ranks:
+                weights = run_layout(mesh, batches, seq_len, kind)
+                worst = max((weights[n] - reference[n]).abs().max().item() for n in weights)
+                found.append((name, kind not in (None, "1f1b"), sorted(weights), worst))
+    every = [None] * WORLD
+    dist.all_gather_object(every, found)
+    if rank == 0:
+        report(every, sorted(reference))
+    dist.destroy_process_group()
+
+
+def report(every, names):
+    """Rank 0: each layout's largest difference over its ranks, and whether it covered every
+    parameter of the model (the stages' names together)."""
+    order = [name for layouts in ROUNDS for name, *_ in layouts]
+    layouts = dict.fromkeys(order)
+    for found in every:
+        for name, control, compared, worst in found:
+            seen = layouts[name] = layouts[name] or [control, set(), 0.0]
+            seen[1].update(compared)
+            seen[2] = max(seen[2], worst)
+    print(f"one process: {STEPS} Adam steps of {BATCH} sequences, float64, clipped to norm "
+          f"{MAX_NORM:g}; largest difference from it of every weight:")
+    equal = caught = True
+    for name, (control, compared, worst) in layouts.items():
+        if sorted(compared) != names:
+            print(f"{name}: compared {len(compared)} of the model's {len(names)} weights")
+            equal = False
+        if control:
+            caught &= worst > CAUGHT
+            print(f"  control, {name:40s} {worst:.1e}  {'caught' if worst > CAUGHT else 'MISSED'}")
+        else:
+            equal &= worst < TOLERANCE
+            print(f"  dp x pp x tp = {name:34s} {worst:.1e}")
+    print(f"every layout equal within {TOLERANCE:g}: {equal}")
+    print(f"every control farther than {CAUGHT:g}: {caught}", flush=True)
+
+
+def main():
+    seq_len = 64
+    port = find_free_port()
+    with spawn_guard("rank"):
+        start_ranks(each_rank, args=(port, seq_len), nprocs=WORLD)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
