@@ -337,9 +337,11 @@ def check_expert_parallel(args):
 def check_layout(args):
     """Refuse, before any rank starts, a --dp x --pp x --tp layout that cannot split the GPT."""
     ranks_per_pipeline = args.pp * args.tp
-    if args.dp is None:  # torchrun's ranks, else the GPUs, in pipelines of pp x tp; else 2
-        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
-        args.dp = max(1, ranks // ranks_per_pipeline) if ranks >= ranks_per_pipeline else 2
+    if args.dp is None and started_by_torchrun():  # its ranks, in pipelines of pp x tp
+        args.dp = max(1, args.world_size // ranks_per_pipeline)
+    elif args.dp is None:  # a pipeline on every pp x tp GPUs; too few GPUs: 2, on the CPU
+        gpus = torch.cuda.device_count()
+        args.dp = gpus // ranks_per_pipeline if gpus >= ranks_per_pipeline else 2
     world = args.dp * ranks_per_pipeline
     if started_by_torchrun() and world != args.world_size:
         fail(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = {world} ranks, but torchrun "
@@ -498,11 +500,15 @@ def is_lost_contact(error):
     on corrupted data (init_process_group's docs). TORCH_NCCL_BLOCKING_WAIT=1 would raise
     instead, but only from a wait on the collective, it turns the watchdog's error handling off
     (ProcessGroupNCCL's constructor), and its blocking waits cost time on every step."""
-    if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)):
-        return True
     signs = ("connection reset by peer", "connection closed by peer", "connection refused",
              "timed out", "timeout", "broken pipe", "remote process exited", "network error")
-    return isinstance(error, RuntimeError) and any(sign in str(error).lower() for sign in signs)
+    while error is not None:  # and what it was raised from: lesson 13's pipeline stage raises
+        # "[Stage 0] failed to run forward" from gloo's error (pipelining/stage.py)
+        if isinstance(error, (dist.DistStoreError, dist.DistNetworkError)) or (
+                isinstance(error, RuntimeError) and any(s in str(error).lower() for s in signs)):
+            return True
+        error = error.__cause__
+    return False
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ import warnings
 SHARED_STARTS = {"02_multi_gpu_spawn", "04_checkpointing", "05_model_parallel_ddp",
                  "06_ddp_in_practice", "07_sharding", "08_ddp_from_scratch",
                  "09_tensor_parallel", "10_pipeline_parallel", "11_context_parallel",
-                 "12_expert_parallel"}
+                 "12_expert_parallel", "13_capstone"}
 
 
 def reserve_port(port_in_use):

@@ -21,6 +21,8 @@ PATCH is one of:
                   all-reduces (lesson 06's control)
   loss-not-divided
                   each micro-batch's loss is not divided by --accumulate (lesson 06's control)
+  kill-rank-1     rank 1 kills itself with SIGKILL (kill -9) at the start of its second epoch;
+                  not in a torchrun restart, which gets past it
   stall-rank-1    rank 1 sleeps for 5 minutes at the start of its second epoch (a rank that
                   hangs), so its peers wait in their next collective until --timeout
   abort-rank-1    rank 1 ends with SIGABRT at the start of its second epoch, as NCCL's watchdog
@@ -70,6 +72,13 @@ def raise_on_rank_1(self, epoch):
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if self.rank == 1 and epoch == 1 and not restarted:
         raise RuntimeError("injected failure on rank 1")
+    return original_train_epoch(self, epoch)
+
+
+def kill_rank_1(self, epoch):
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if self.rank == 1 and epoch == 1 and not restarted:
+        os.kill(os.getpid(), signal.SIGKILL)
     return original_train_epoch(self, epoch)
 
 
@@ -188,6 +197,8 @@ elif patch == "raise-on-rank-1":
     lesson.Trainer.train_epoch = raise_on_rank_1
 elif patch == "die-while-saving":
     torch.save = die_while_saving
+elif patch == "kill-rank-1":
+    lesson.Trainer.train_epoch = kill_rank_1
 elif patch == "stall-rank-1":
     lesson.Trainer.train_epoch = stall_rank_1
 elif patch == "abort-rank-1":

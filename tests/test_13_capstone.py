@@ -1,0 +1,226 @@
+"""Lesson 13, run as a learner runs it: python 13_capstone/train.py (8 ranks: --dp 2 --pp 2
+--tp 2) and its proof, python 13_capstone/prove_layouts.py.
+
+Every layout, from one process to the 3-D one, takes one process's steps, and three mistakes do
+not (prove_layouts.py); train.py's 3-D run ends on one process's weights and writes the same
+text; a rank killed with SIGKILL is restarted by torchrun, and the run resumes bitwise; the
+3-D checkpoint loads into one process and into another layout; two torchrun nodes keep each TP
+group on one node; a layout that does not fit the model, or the ranks torchrun started, stops in
+one line.
+
+Tolerance. In float64 the layouts differ only in the order of their sums (each micro-batch's
+loss, each TP rank's partial sums, FSDP's reduce-scatter): prove_layouts.py measures at most
+3.9e-14 after 3 steps; train.py's runs here (2 epochs of 6 steps, --batch-size 64) end within
+TOLERANCE = 1e-12 of one process, measured below 1e-13 on this course's 2-core machine. The
+controls end 1.5e-3 to 5.9e-2 away. --batch-size 64 keeps the runs short (6 steps an epoch);
+what is proven does not depend on it."""
+
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from helpers import (
+    GPUS,
+    ROOT,
+    assert_final_pt_holds_cpu_tensors,
+    assert_one_line_error,
+    check_ok,
+    import_guard_rails,
+    import_lesson,
+    max_weight_difference,
+    read_metrics,
+    run_lesson,
+    run_torchrun,
+)
+
+LESSON = "13_capstone"
+TOLERANCE = 1e-12
+SMALL = ["--float64", "--batch-size", "64", "--epochs", "2", "--save-every", "1",
+         "--backend", "gloo"]  # the CPU tier stays on gloo even where GPUs exist
+LAYOUTS = {"one": ["--dp", "1", "--pp", "1", "--tp", "1"],
+           "3d": ["--dp", "2", "--pp", "2", "--tp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout's run of 2 epochs in float64, made once: {name: out_dir}."""
+    made = {}
+
+    def run(name):
+        if name not in made:
+            out = tmp_path_factory.mktemp(name)
+            check_ok(run_lesson(LESSON, *LAYOUTS[name], *SMALL, "--out-dir", out))
+            made[name] = out
+        return made[name]
+
+    return run
+
+
+def test_every_layout_takes_one_processs_steps_and_each_mistake_does_not():
+    done = subprocess.run([sys.executable, str(ROOT / LESSON / "prove_layouts.py")],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every layout equal within 1e-12: True" in done.stdout, done.stdout
+    assert "every control farther than 1e-06: True" in done.stdout, done.stdout
+    assert done.stdout.count("dp x pp x tp = ") == 9, done.stdout  # 1x1x1 to 2x2x2, and 1F1B
+    assert done.stdout.count(" caught") == 3, done.stdout
+    assert "compared" not in done.stdout  # every layout compared every weight of the model
+
+
+def test_the_3d_run_ends_on_one_processs_weights_and_writes_the_same_text(runs):
+    three, one = read_metrics(runs("3d")), read_metrics(runs("one"))
+    assert max_weight_difference(runs("3d"), runs("one")) < TOLERANCE
+    for a, b in zip(three["train_loss"], one["train_loss"], strict=True):
+        assert abs(a - b) < TOLERANCE
+    assert abs(three["val_loss"] - one["val_loss"]) < TOLERANCE
+    assert three["train_loss"][-1] < three["train_loss"][0]
+    assert three["samples"] == one["samples"]
+    # What each rank holds: one process, the whole model once in each of weights, gradients
+    # and Adam's two averages; 8 ranks, each about an 8th of it (a stage's half of the blocks,
+    # split 4 ways by tp and dp; the embeddings and the head are not evenly halved).
+    whole = one["bytes_per_rank"][0]
+    assert whole["gradients"] == whole["weights"] and whole["optimizer"] == 2 * whole["weights"]
+    assert len(three["bytes_per_rank"]) == 8
+    for held in three["bytes_per_rank"]:
+        assert whole["weights"] / 12 < held["weights"] < whole["weights"] / 5, held
+        assert held["optimizer"] == 2 * held["weights"]
+
+
+def test_a_rank_killed_by_sigkill_is_restarted_and_the_run_resumes_bitwise(runs, tmp_path):
+    # torchrun, 8 ranks: rank 1 kills itself with SIGKILL (kill -9) at the start of epoch 2;
+    # torchrun starts all 8 again (--max-restarts 1), they resume from epoch 1's checkpoint and
+    # end bitwise on the run that never stopped.
+    result = run_torchrun(LESSON, *LAYOUTS["3d"], *SMALL, "--out-dir", tmp_path, nproc=8,
+                          torchrun_args=["--max-restarts", 1], patch="kill-rank-1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "exitcode: -9" in result.stderr, result.stderr  # SIGKILL
+    assert "Traceback" not in result.stderr, result.stderr  # the others: one line each
+    assert ("1 of 2 epochs done, written by --dp 2 --pp 2 --tp 2, loaded by --dp 2 --pp 2 "
+            "--tp 2") in result.stdout
+    assert read_metrics(tmp_path)["launcher"] == "torchrun"
+    assert max_weight_difference(tmp_path, runs("3d")) == 0
+
+
+@pytest.mark.parametrize("layout", [["--dp", "1", "--pp", "1", "--tp", "1"],
+                                    ["--dp", "1", "--pp", "2", "--tp", "2"]],
+                         ids=["one_process", "1x2x2"])
+def test_the_3d_checkpoint_loads_into_one_process_and_another_layout(runs, layout, tmp_path):
+    # The 3-D run's checkpoint of epoch 2, resumed for a third epoch on another layout, ends
+    # where one process's 3 epochs end.
+    straight = tmp_path / "straight"
+    three = [*SMALL, "--epochs", "3"]
+    check_ok(run_lesson(LESSON, *LAYOUTS["one"], *three, "--out-dir", straight))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(runs("3d") / "checkpoint", resumed / "checkpoint")
+    result = check_ok(run_lesson(LESSON, *layout, *three, "--out-dir", resumed))
+    loaded_by = " ".join(layout)
+    assert f"2 of 3 epochs done, written by --dp 2 --pp 2 --tp 2, loaded by {loaded_by}" in (
+        result.stdout)
+    assert read_metrics(resumed)["resumed_after_epoch"] == 2
+    assert max_weight_difference(resumed, straight) < TOLERANCE
+
+
+def test_two_torchrun_nodes_keep_each_tp_group_on_one_node(runs, tmp_path):
+    # Two torchrun "nodes" on this machine, 2 ranks each, --pp 2 --tp 2: ranks 0 and 1 (node 0)
+    # are stage 0's TP group, ranks 2 and 3 (node 1) stage 1's; only the pipeline's sends
+    # cross between the nodes. The run ends on one process's weights.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(ROOT / LESSON / "train.py"), "--pp", "2", "--tp", "2", *SMALL,
+         "--out-dir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    for node in nodes:
+        out, err = node.communicate(timeout=240)
+        assert node.returncode == 0, out + err
+        assert "spans nodes" not in out
+    metrics = read_metrics(tmp_path)
+    assert (metrics["launcher"], metrics["world_size"], metrics["dp"]) == ("torchrun", 4, 1)
+    assert max_weight_difference(tmp_path, runs("one")) < TOLERANCE
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--tp", "3"], "--tp 3 does not divide --heads 4"),
+    (["--pp", "3"], "--layers 4 do not split evenly over --pp 3 stages"),
+    (["--seq-len", "63"], "--seq-len 63 does not split over --tp 2"),
+    (["--dim", "30"], "--heads 4 does not divide --dim 30"),
+    (["--batch-size", "6"], "--batch-size 6, the global batch, does not split over --dp 2 x "
+                            "--microbatches 2"),
+    (["--schedule", "1f1b", "--microbatches", "1"], "--schedule 1f1b needs at least one "
+                                                    "micro-batch per stage")])
+def test_a_layout_that_does_not_fit_the_model_stops_in_one_line(flags, says, tmp_path):
+    result = run_lesson(LESSON, *flags, "--out-dir", tmp_path)
+    assert_one_line_error(result, says)
+    assert "starting" not in result.stdout
+
+
+def test_under_torchrun_dp_is_its_ranks_over_pp_x_tp_or_one_line(monkeypatch):
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    args = lesson.parse_args([])
+    args.world_size = 16  # torchrun's WORLD_SIZE
+    guard_rails.check_layout(args)
+    assert args.dp == 4
+    args = lesson.parse_args(["--dp", "2"])
+    args.world_size = 2
+    with pytest.raises(SystemExit) as stop:
+        guard_rails.check_layout(args)
+    assert stop.value.code.startswith("error: --dp 2 x --pp 2 x --tp 2 = 8 ranks, but torchrun "
+                                      "started 2")
+
+
+def test_a_checkpoint_of_another_model_stops_in_one_line(runs, tmp_path):
+    shutil.copytree(runs("3d") / "checkpoint", tmp_path / "checkpoint")
+    result = run_lesson(LESSON, "--layers", "2", "--out-dir", tmp_path)
+    assert_one_line_error(result, "holds a model with --layers 4, not 2")
+
+# ---------------------------------------------------------------------------------------------
+# GPU tier: the same on NCCL
+# ---------------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU; this machine has none")
+needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine has {GPUS}")
+# float64 on a GPU adds in cuBLAS's order, not the CPU's: about 1e-15 a step, which Adam carries
+# through 2 epochs; far below what one wrong shard moves (1e-3 and more).
+GPU_TOLERANCE = 1e-8
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_one_rank_takes_the_cpus_steps(runs, tmp_path):
+    check_ok(run_lesson(LESSON, *LAYOUTS["one"], *SMALL, "--backend", "nccl",
+                        "--out-dir", tmp_path))
+    metrics = read_metrics(tmp_path)
+    assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+    assert max_weight_difference(tmp_path, runs("one")) < GPU_TOLERANCE
+    assert_final_pt_holds_cpu_tensors(tmp_path)
+
+
+@needs_two
+@pytest.mark.gpu
+def test_gpu_tp_and_pp_on_nccl_take_one_processs_steps(runs, tmp_path):
+    for layout in (["--dp", 1, "--pp", 1, "--tp", 2], ["--dp", 1, "--pp", 2, "--tp", 1]):
+        check_ok(run_lesson(LESSON, *layout, *SMALL, "--backend", "nccl", "--out-dir", tmp_path))
+        metrics = read_metrics(tmp_path)
+        assert (metrics["backend"], metrics["device"], metrics["world_size"]) == (
+            "nccl", "cuda", 2)
+        assert max_weight_difference(tmp_path, runs("one")) < GPU_TOLERANCE
+        shutil.rmtree(tmp_path / "checkpoint")
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_torchrun_starts_one_nccl_rank_per_gpu(tmp_path):
+    nproc = min(GPUS, 2)  # one TP group of them all
+    result = run_torchrun(LESSON, "--pp", 1, "--tp", nproc, "--epochs", 1, "--out-dir", tmp_path,
+                          nproc=nproc)
+    check_ok(result)
+    metrics = read_metrics(tmp_path)
+    assert (metrics["backend"], metrics["device"], metrics["launcher"]) == (
+        "nccl", "cuda", "torchrun")
+    assert_final_pt_holds_cpu_tensors(tmp_path)
