@@ -309,6 +309,9 @@ def plan(facts):
         ("12_expert_parallel", "cpu",
          [f"{python} 12_expert_parallel/train.py --ep 2 --dp 1{on_cpu}"],
          "2 ranks, 2 experts each, the tokens sent to them by all-to-all", cpu_ok),
+        ("13_capstone", "cpu",
+         [f"{python} 13_capstone/train.py --dp 2 --pp 2 --tp 2{on_cpu}"],
+         "8 ranks: 2 pipelines of 2 stages, each stage split over 2 ranks, FSDP across", cpu_ok),
     ]
     if gpus:
         pairs = gpus // 2
@@ -346,6 +349,10 @@ def plan(facts):
                 ("12_expert_parallel", "gpu", [f"{python} 12_expert_parallel/train.py"],
                  f"{pairs} EP group(s) of 2 GPUs, NCCL", gpu_ok),
             ]
+        if gpus >= 4:  # a rank per GPU of --pp 2 x --tp 2
+            wanted += [("13_capstone", "gpu", [f"{python} 13_capstone/train.py"],
+                        f"{gpus // 4} pipeline(s) of 2 stages of 2 TP GPUs, FSDP across, NCCL",
+                        gpu_ok)]
     can, cannot = [], []
     for lesson, where, commands, note, runnable in wanted:
         if any(entry["lesson"] == lesson and entry["where"] == where for entry in cannot):
@@ -368,6 +375,10 @@ def plan(facts):
                 cannot.append({"lesson": lesson, "where": "gpu", "reason":
                                f"one GPU, and it needs 2, {each} on each; its CPU command "
                                "above runs on gloo"})
+    if 0 < gpus < 4 and gpu_ok and (ROOT / "13_capstone" / "train.py").is_file():
+        cannot.append({"lesson": "13_capstone", "where": "gpu", "reason":
+                       f"{gpus} GPU(s), and it needs 4, one per rank of --pp 2 x --tp 2; its "
+                       "CPU command above runs on gloo"})
 
     slurm = "03_multi_node/slurm"
     if not facts["sbatch"]:

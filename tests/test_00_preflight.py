@@ -76,6 +76,7 @@ def test_lists_the_cpu_command_of_every_lesson_present(preflight):
     assert "10_pipeline_parallel/train.py --stages 2 --dp 1" in commands
     assert "11_context_parallel/train.py --cp 2 --dp 1" in commands
     assert "12_expert_parallel/train.py --ep 2 --dp 1" in commands
+    assert "13_capstone/train.py --dp 2 --pp 2 --tp 2" in commands
     if not (ROOT / "04_checkpointing" / "train.py").is_file():
         assert ("04_checkpointing, CPU: 04_checkpointing/train.py is not in this copy of the "
                 "repository") in preflight.stdout
@@ -200,6 +201,7 @@ def full_repository(tmp_path):
                  "07_sharding/train.py", "08_ddp_from_scratch/train.py",
                  "09_tensor_parallel/train.py", "10_pipeline_parallel/train.py",
                  "11_context_parallel/train.py", "12_expert_parallel/train.py",
+                 "13_capstone/train.py",
                  "03_multi_node/slurm/train.sbatch", "03_multi_node/slurm/local_cluster.sh"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()
@@ -242,6 +244,10 @@ def test_plan_on_a_machine_with_four_gpus(full_repository):
     assert commands_for(can, "12_expert_parallel", "gpu") == ["python 12_expert_parallel/train.py"]
     assert commands_for(can, "12_expert_parallel", "cpu") == [
         "python 12_expert_parallel/train.py --ep 2 --dp 1 --backend gloo"]
+    # Lesson 13 on 4 GPUs: one pipeline of 2 stages of 2 TP GPUs; on the CPU its 8 ranks.
+    assert commands_for(can, "13_capstone", "gpu") == ["python 13_capstone/train.py"]
+    assert commands_for(can, "13_capstone", "cpu") == [
+        "python 13_capstone/train.py --dp 2 --pp 2 --tp 2 --backend gloo"]
     assert not [entry for entry in cannot if entry["where"] == "gpu"]
 
 
@@ -251,7 +257,9 @@ def test_plan_on_one_gpu_says_why_lessons_10_to_12_stay_on_the_cpu(full_reposito
     assert commands_for(can, "11_context_parallel", "cpu") == [
         "python 11_context_parallel/train.py --cp 2 --dp 1 --backend gloo"]
     reasons = {entry["lesson"]: entry["reason"] for entry in cannot if entry["where"] == "gpu"}
-    assert set(reasons) == {"10_pipeline_parallel", "11_context_parallel", "12_expert_parallel"}
+    assert set(reasons) == {"10_pipeline_parallel", "11_context_parallel", "12_expert_parallel",
+                            "13_capstone"}
+    assert reasons["13_capstone"].startswith("1 GPU(s), and it needs 4, one per rank")
     assert reasons["10_pipeline_parallel"].startswith("one GPU, and it needs 2, a stage on each")
     assert reasons["12_expert_parallel"].startswith("one GPU, and it needs 2, half of the experts")
 

@@ -64,7 +64,7 @@ follows, which this check enforces:
       python 02_multi_gpu_spawn/train.py --world-size 0   # fails: --world-size must be at least 1
 
 - A lesson run (python or torchrun starting NN_name/train.py) that exits 0 must print
-  `test accuracy` (lessons 11 and 12, language models: `validation loss`), or say `nothing left to
+  `test accuracy` (lessons 11 to 13, language models: `validation loss`), or say `nothing left to
   train` (a run that found a finished checkpoint),
   unless it asks for `--help` or is a node other than node 0 (`--node-rank 1`: rank 0, which
   prints the result, runs on node 0): a run that trains nothing and says nothing is a failure.
@@ -670,7 +670,7 @@ def exit_problem(result):
     if (LESSON_RUN.search(command.code) and not HELP.search(command.code)
             and not OTHER_NODE.search(command.code)
             and not any(word in output for word in TRAINED)):
-        return ("a lesson run that exits 0 prints 'test accuracy' (lessons 11 and 12: "
+        return ("a lesson run that exits 0 prints 'test accuracy' (lessons 11 to 13: "
                 "'validation loss') or says 'nothing left to train'")
     return ""
 
@@ -842,6 +842,7 @@ def report_same_as(same_as, checked, files, outcomes=None):
 TYPICAL_SECONDS = {
     "INSTRUCTORS.md": 190, "README.md": 115, "10_pipeline_parallel/README.md": 90,
     "11_context_parallel/README.md": 90, "12_expert_parallel/README.md": 125,
+    "13_capstone/README.md": 130,
     "06_ddp_in_practice/README.md": 60, "09_tensor_parallel/README.md": 60,
     "05_model_parallel_ddp/README.md": 55, "03_multi_node/README.md": 45,
     "02_multi_gpu_spawn/README.md": 40, "04_checkpointing/README.md": 35,

@@ -24,6 +24,9 @@ class Mutant:
     kind: str = "learner"  # "learner" (a mistake learners make) or "refactor"
 
 
+PROVE_13 = ("tests/test_13_capstone.py::"
+            "test_every_layout_takes_one_processs_steps_and_each_mistake_does_not")
+
 MUTANTS = [
     # --- lesson 02: mp.spawn, DistributedSampler, all-reduced metrics ---
     Mutant(
@@ -591,6 +594,43 @@ MUTANTS = [
         readme="12_expert_parallel/README.md#equal-to-one-process",
         tests=("tests/test_12_expert_parallel.py::"
                "test_every_layout_takes_the_steps_of_one_process[dp2ep2]",),
+    ),
+    # --- lesson 13: FSDP x TP x PP on one mesh ---
+    Mutant(
+        id="13-clipped-by-each-stages-norm",
+        file="13_capstone/parallelize.py",
+        find="    dist.all_reduce(squared, group=pp_group)\n",
+        replace="",
+        claim="Every stage is clipped by the whole model's gradient norm, not its own.",
+        readme="13_capstone/README.md#composing-the-pieces",
+        tests=(PROVE_13,),
+    ),
+    Mutant(
+        id="13-positions-split-by-their-dim-1",
+        file="13_capstone/parallelize.py",
+        find="output_layouts=Shard(0))",
+        replace="output_layouts=sequence)",
+        claim="Under sequence parallelism each rank adds the positions of its own tokens.",
+        readme="13_capstone/README.md#composing-the-pieces",
+        tests=(PROVE_13,),
+    ),
+    Mutant(
+        id="13-loss-over-the-global-batch",
+        file="13_capstone/train.py",
+        find="    tokens = args.batch_size // args.dp * args.seq_len",
+        replace="    tokens = args.batch_size * args.seq_len",
+        claim="Each dp rank divides by its own tokens; FSDP's average makes the global mean.",
+        readme="13_capstone/README.md#composing-the-pieces",
+        tests=(PROVE_13,),
+    ),
+    Mutant(
+        id="13-blocks-dealt-round-robin",
+        file="13_capstone/parallelize.py",
+        find="        if int(name) // per_stage != stage:",
+        replace="        if int(name) % stages != stage:",
+        claim="Each stage keeps consecutive blocks, in the model's order.",
+        readme="13_capstone/README.md#composing-the-pieces",
+        tests=(PROVE_13,),
     ),
     Mutant(
         id="09-nodes-backends-not-compared",
