@@ -32,7 +32,8 @@ from torch.distributed.tensor.parallel import (
 def build_mesh(device_type, dp, pp, tp):
     """Rank r sits at (r // (pp * tp), r // tp % pp, r % tp): tp is the innermost dimension, so a
     TP group is tp consecutive ranks, which torchrun puts on one node (it numbers a node's ranks
-    one after another): TP's all-reduces, two per block and step, stay on the node's fast links.
+    one after another): TP's collectives, 4 per block and micro-batch each way, stay on the
+    node's fast links.
     PP sends one activation per micro-batch between neighbours; DP's reduce-scatter, once a step,
     can cross the slowest links. With --dp 2 --pp 2 --tp 2: TP groups [0, 1] [2, 3] [4, 5] [6, 7],
     pipelines [0, 2] [1, 3] [4, 6] [5, 7], dp groups [0, 4] [1, 5] [2, 6] [3, 7]."""

@@ -115,6 +115,12 @@ EXPECTED_TEXT = {
                            "every step routes all 2048 choices of each block: True",
                            "--ep 2 against --ep 1 in float64: largest difference",
                            "equal within 1e-10: True"],
+    "13_capstone": ["as in torch.arange(8).view(2, 2, 2): True",
+                    "groups as build_mesh's docstring lists them: True",
+                    "the rule agrees with the checkpoint's chunks: True",
+                    "fake ranks agree with the run's measured bytes: True",
+                    "--dp 2 --pp 2 --tp 2 against one process in float64: largest difference",
+                    "equal within 1e-12: True"],
 }
 
 
@@ -323,8 +329,8 @@ def test_readmes_line_executes_its_notebooks(line, jupyter_path, tmp_path):
 
 def rank_runs(notebook):
     """The arguments of every run of several ranks a notebook starts (run_lesson calls and
-    command lists naming --world-size, --nproc-per-node, --stages, --cp or --ep), with *name and
-    *map(str, name) expanded from the notebook's own list assignments."""
+    command lists naming --world-size, --nproc-per-node, --stages, --cp, --ep, --dp, --pp or
+    --tp), with *name and *map(str, name) expanded from the notebook's own list assignments."""
     code = "\n".join(cell.source for cell in notebook.cells if cell.cell_type == "code")
     code = code.replace("%matplotlib inline", "")  # IPython's, not Python's
     tree = ast.parse(code)
@@ -350,7 +356,8 @@ def rank_runs(notebook):
             found = list(strings(node.elts))
         else:
             continue
-        if {"--world-size", "--nproc-per-node", "--stages", "--cp", "--ep"} & set(found):
+        if {"--world-size", "--nproc-per-node", "--stages", "--cp", "--ep", "--dp", "--pp",
+                "--tp"} & set(found):
             yield found
 
 
