@@ -10,7 +10,9 @@ run differs, the most likely mistake, decided from what it measured, and where t
 it writes goes into one temporary folder, removed at the end. Exercises 09 (tensor parallelism)
 and 10 (a pipeline) add checks of their own: check_tp.py and check_pp.py. Exercise 11 (the ring's
 merge) checks your ring_attention.py against full attention instead: check_cp.py; exercise 12
-(the dispatch and combine) your experts.py against every expert run on every token: check_ep.py.
+(the dispatch and combine) your experts.py against every expert run on every token: check_ep.py;
+exercise 13 (which dimension is wrong) your copy of lesson 13's 3-D step on five layouts against
+one process: check_3d.py.
 
 Exit status: 0 your script passes, 1 it runs but differs (the mistake is named), 2 it could not be
 checked (no such script, it failed, it hung, it wrote nothing or files in another shape).
@@ -56,7 +58,8 @@ class Exercise:
     layout: str = "data"  # what a rank holds: the whole model ("data"), a slice of each layer
     # ("tensor": check_tp.py's checks), or some of the layers ("pipeline": check_pp.py's); or
     # "context": the ring attention alone, checked by check_cp.py; "experts": the mixture of
-    # experts' dispatch and combine alone, checked by check_ep.py
+    # experts' dispatch and combine alone, checked by check_ep.py; "3d": lesson 13's step on
+    # five layouts, checked by check_3d.py
     passes: str = "your script ends where {lesson} does, on every check"  # the PASS line's end
 
 
@@ -100,6 +103,11 @@ EXERCISES = {
                    "12_expert_parallel", [], world_size=4, layout="experts",
                    passes="your mixture of experts equals every expert run on every token, on "
                           "every check"),
+    # Your copy of lesson 13 (the script's folder), on 1 x 1 x 1, each dimension at 2 alone, and
+    # 2 x 2 x 2: 8 ranks, started once, against one process.
+    "13": Exercise("which dimension is wrong", "13_which_dimension.md", "13_capstone", [],
+                   world_size=8, layout="3d",
+                   passes="every layout of your 3-D step equals one process, on every check"),
 }
 # Lesson 07's own flag that picks what the exercise builds: FSDP2.
 LESSON_ONLY_FLAGS = {"07_sharding": ["--strategy", "fsdp"]}
@@ -634,6 +642,10 @@ def check(exercise, script, timeout):
             return check_cp.check(script, folder, timeout)
         if exercise.layout == "experts":
             return check_ep.check(script, folder, timeout)
+        if exercise.layout == "3d":
+            import check_3d  # only exercise 13 needs it (and pyproject's isort list lacks it)
+
+            return check_3d.check(script, folder, timeout)
         yours = run_script(exercise, script, os.path.join(folder, "yours"), timeout)
         check_joined(yours, exercise)
         check_writers(yours.ranks)  # these hold even for a run that then failed, and so do
@@ -693,7 +705,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exercise", help=f"the exercise: {', '.join(EXERCISES)}")
     parser.add_argument("script", help="your train.py (exercise 11: your ring_attention.py; "
-                        "12: your experts.py)")
+                        "12: your experts.py; 13: your copy's train.py)")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds each run may take before it is stopped")
     args = parser.parse_args(argv)

@@ -8,11 +8,13 @@ of their own, `python -m pytest -m exercises` (tests/README.md says how long it 
 cheap checks of the exercise pages and the checker's links run in every suite."""
 
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -315,3 +317,109 @@ def test_every_link_of_the_checker_points_at_a_heading():
     assert len(links) > 20
     for lesson, anchor in links:
         assert anchor in readme_anchors(ROOT / lesson / "README.md"), (lesson, anchor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exercise 13: a copy of lesson 13 with one mistake, each that exercises/break_3d.py makes and a
+# few it does not, all checked by one start of the 8 ranks: exercises/check_3d.py's own command
+# line, which prints each copy's verdict as check.py does (exercises/check.py 13 runs the same
+# check on one copy).
+# ---------------------------------------------------------------------------------------------
+def load_exercise_module(name):
+    spec = importlib.util.spec_from_file_location(f"exercise_{name}",
+                                                  ROOT / "exercises" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+BREAK_3D = load_exercise_module("break_3d")  # the standard library only: cheap to import
+TP_FAILS = "the tp dimension (only layouts with tp 2 fail)"
+MORE_3D = [  # mistakes break_3d.py does not make, each an error the checker reads
+    BREAK_3D.Broken("13-attn-out-sums-whole", (("parallelize.py", '"attn.out": RowwiseParallel('
+                                                "output_layouts=sequence)",
+                                                '"attn.out": RowwiseParallel()'),),
+                    TP_FAILS, "a layer's output whole where the residual stream is split"),
+    BREAK_3D.Broken("13-head-scores-split", (("parallelize.py", "ColwiseParallel(input_layouts="
+                                              "sequence, output_layouts=Replicate())",
+                                              "ColwiseParallel(input_layouts=sequence)"),),
+                    TP_FAILS, "the head's scores split by character"),
+]
+CASES_3D = [*BREAK_3D.MISTAKES, *MORE_3D]
+
+
+@pytest.fixture(scope="module")
+def verdicts_13(tmp_path_factory):
+    """{copy: the lines of its verdict}: the lesson's copy, and one per case, checked at once."""
+    folder = tmp_path_factory.mktemp("exercise_13")
+    scripts = [copy_lesson("13_capstone", folder / "lesson")]
+    for case in CASES_3D:
+        BREAK_3D.make(str(folder / case.id), case)
+        scripts.append(folder / case.id / "train.py")
+    (folder / "tmp").mkdir()
+    done = subprocess.run([sys.executable, str(ROOT / "exercises" / "check_3d.py"),
+                           *map(str, scripts)], cwd=folder, capture_output=True, text=True,
+                          env=dict(os.environ, TMPDIR=str(folder / "tmp")), timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not os.listdir(folder / "tmp"), "the checker left files in its temporary folder"
+    verdicts = {}
+    for block in done.stdout.split("== ")[1:]:
+        script, *lines = block.splitlines()
+        verdicts[Path(script).parent.name] = lines
+    return verdicts
+
+
+@pytest.mark.exercises
+@pytest.mark.xdist_group("exercise-13")
+def test_exercise_13_passes_the_lesson(verdicts_13):
+    assert verdicts_13["lesson"] == [
+        "PASS exercise 13 (which dimension is wrong): every layout of your 3-D step equals one "
+        "process, on every check"]
+
+
+@pytest.mark.exercises
+@pytest.mark.xdist_group("exercise-13")
+@pytest.mark.parametrize("case", CASES_3D, ids=lambda case: case.id)
+def test_exercise_13_names_the_dimension_and_the_mistake(case, verdicts_13):
+    verdict, likely, where = verdicts_13[case.id]
+    assert verdict.startswith("NOT YET exercise 13 (which dimension is wrong): dp x pp x tp = ")
+    assert likely.startswith(f"  most likely: {case.dimension}: "), likely
+    assert case.says in likely, likely
+    # and where to look is the file the mistake is in
+    assert where.startswith("  where to look: ") and any(
+        f"{case.id}/{file}, " in where for file, _, _ in case.changes), where
+
+
+@pytest.mark.exercises
+@pytest.mark.xdist_group("exercise-13")
+def test_exercise_13_without_the_lesson_s_files_cannot_be_checked(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "train.py").write_text("")
+    done = check("13", tmp_path / "mine" / "train.py", tmp_path)
+    assert (done.returncode, done.stdout.strip()) == (
+        2, f"CANNOT CHECK exercise 13 (which dimension is wrong): there is no parallelize.py "
+           f"beside {tmp_path / 'mine' / 'train.py'}: the copy is the whole of 13_capstone's "
+           "Python files"), done.stdout + done.stderr
+
+
+def test_exercise_13_break_3d_makes_each_mistake_in_a_copy_of_the_lesson(tmp_path):
+    # Each mistake's text is once in the lesson (else the list has gone stale), and a copy
+    # differs from the lesson by that mistake alone.
+    for case in CASES_3D:
+        BREAK_3D.make(str(tmp_path / case.id), case)
+        lesson = {path.name: path.read_text() for path in (ROOT / "13_capstone").glob("*.py")}
+        copy = {path.name: path.read_text() for path in (tmp_path / case.id).glob("*.py")}
+        assert sorted(copy) == sorted(lesson)
+        changed = sorted(name for name in lesson if copy[name] != lesson[name])
+        assert changed == sorted({file for file, _, _ in case.changes}), case.id
+    # The command line: one of them at random, the same one for a seed; never over a copy.
+    runs = [subprocess.run([sys.executable, str(ROOT / "exercises" / "break_3d.py"),
+                            str(tmp_path / f"seeded{i}"), "--seed", "3"],
+                           capture_output=True, text=True) for i in range(2)]
+    assert [run.returncode for run in runs] == [0, 0], runs[0].stderr
+    assert runs[0].stdout.startswith(f"{tmp_path / 'seeded0'}: lesson 13 with one mistake")
+    assert ({p.name: p.read_text() for p in (tmp_path / "seeded0").glob("*.py")}
+            == {p.name: p.read_text() for p in (tmp_path / "seeded1").glob("*.py")})
+    again = subprocess.run([sys.executable, str(ROOT / "exercises" / "break_3d.py"),
+                            str(tmp_path / "seeded0")], capture_output=True, text=True)
+    assert again.returncode == 2 and "is not empty" in again.stderr

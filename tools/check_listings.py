@@ -842,7 +842,7 @@ def report_same_as(same_as, checked, files, outcomes=None):
 TYPICAL_SECONDS = {
     "INSTRUCTORS.md": 190, "README.md": 115, "10_pipeline_parallel/README.md": 90,
     "11_context_parallel/README.md": 90, "12_expert_parallel/README.md": 125,
-    "13_capstone/README.md": 130,
+    "13_capstone/README.md": 130, "exercises/13_which_dimension.md": 20,
     "06_ddp_in_practice/README.md": 60, "09_tensor_parallel/README.md": 60,
     "05_model_parallel_ddp/README.md": 55, "03_multi_node/README.md": 45,
     "02_multi_gpu_spawn/README.md": 40, "04_checkpointing/README.md": 35,

@@ -633,6 +633,15 @@ MUTANTS = [
         tests=(PROVE_13,),
     ),
     Mutant(
+        id="13-schedule-scales-the-gradients",
+        file="13_capstone/parallelize.py",
+        find="loss_fn=loss_fn, scale_grads=False)",
+        replace="loss_fn=loss_fn)",
+        claim="The loss is divided by the tokens once; the schedule adds the micro-batches.",
+        readme="13_capstone/README.md#composing-the-pieces",
+        tests=(PROVE_13,),
+    ),
+    Mutant(
         id="09-nodes-backends-not-compared",
         file="09_tensor_parallel/guard_rails.py",
         find="    if len(set(chosen)) > 1:",
