@@ -111,8 +111,8 @@ def clip_whole_model(parameters, max_norm, pp_group):
     stage by its own norm: a different step). Returns the norm, before clipping."""
     parameters = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()  # the norm over this stage's dp x tp shards
+    if isinstance(norm, DTensor):  # summed over this stage's dp x tp shards already: its value
+        norm = norm.full_tensor()
     squared = norm ** 2
     dist.all_reduce(squared, group=pp_group)
     norm = squared.sqrt()

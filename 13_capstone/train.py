@@ -262,6 +262,12 @@ def validation_loss(model, val_set, device):
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
+def evaluate(model, val_set, seq_len, device):
+    """One process's model: its validation loss, and its continuations of three sums."""
+    return validation_loss(model, val_set, device), {
+        prompt: complete(model, prompt, seq_len, device) for prompt in ("3+4=", "8+9=", "0+6=")}
+
+
 def parallelize(model, mesh, device, args):
     """This rank's part of the model, in the order that works (parallelize.py): its stage, split
     by TP, sharded by FSDP, in a pipeline schedule."""
@@ -418,17 +424,13 @@ def main(rank, local_rank, args):
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
-    held = bytes_held(model, optimizer)
-    every = [None] * args.world_size
-    dist.all_gather_object(every, held)  # each rank's, for the table in metrics.json
+    every = [None] * args.world_size  # what each rank holds, for the table in metrics.json
+    dist.all_gather_object(every, bytes_held(model, optimizer))
     whole = whole_model(model, args, mesh)
     if not trainer.is_main_process:
         return  # rank 0 alone writes and samples
     save_atomically(whole.state_dict(), os.path.join(args.out_dir, "final.pt"))
-    whole.to(device)
-    val_loss = validation_loss(whole, val_set, device)
-    prompts = ["3+4=", "8+9=", "0+6="]
-    samples = {p: complete(whole, p, args.seq_len, device) for p in prompts}
+    val_loss, samples = evaluate(whole.to(device), val_set, args.seq_len, device)
     steps = (args.epochs - resumed_after_epoch) * len(train_loader)
     results = {"train_loss": losses, "val_loss": val_loss, "samples": samples,
                "bytes_per_rank": every, "train_seconds": train_seconds,
