@@ -3,16 +3,16 @@
 
 Every layout, from one process to the 3-D one, takes one process's steps, and three mistakes do
 not (prove_layouts.py); train.py's 3-D run ends on one process's weights and writes the same
-text; a rank killed with SIGKILL is restarted by torchrun, and the run resumes bitwise; the
-3-D checkpoint loads into one process and into another layout; two torchrun nodes keep each TP
-group on one node; a layout that does not fit the model, or the ranks torchrun started, stops in
-one line.
+text; a rank killed with SIGKILL stops the run in one line, and run again it resumes bitwise;
+the 3-D checkpoint loads into one process and into another layout; two torchrun nodes keep each
+TP group on one node; a layout that does not fit the model, or the ranks torchrun started, stops
+in one line.
 
 Tolerance. In float64 the layouts differ only in the order of their sums (each micro-batch's
 loss, each TP rank's partial sums, FSDP's reduce-scatter): prove_layouts.py measures at most
-3.9e-14 after 3 steps; train.py's runs here (2 epochs of 6 steps, --batch-size 64) end within
+3.9e-14 after 2 steps; train.py's runs here (2 epochs of 6 steps, --batch-size 64) end within
 TOLERANCE = 1e-12 of one process, measured below 1e-13 on this course's 2-core machine. The
-controls end 1.5e-3 to 5.9e-2 away. --batch-size 64 keeps the runs short (6 steps an epoch);
+controls end 1.5e-3 to 4.0e-2 away. --batch-size 64 keeps the runs short (6 steps an epoch);
 what is proven does not depend on it."""
 
 import shutil
@@ -59,6 +59,13 @@ def runs(tmp_path_factory):
     return run
 
 
+@pytest.fixture(scope="module")
+def one_process_three_epochs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one3")
+    check_ok(run_lesson(LESSON, *LAYOUTS["one"], *SMALL, "--epochs", "3", "--out-dir", out))
+    return out
+
+
 def test_every_layout_takes_one_processs_steps_and_each_mistake_does_not():
     done = subprocess.run([sys.executable, str(ROOT / LESSON / "prove_layouts.py")],
                           capture_output=True, text=True, timeout=240)
@@ -89,30 +96,29 @@ def test_the_3d_run_ends_on_one_processs_weights_and_writes_the_same_text(runs):
         assert held["optimizer"] == 2 * held["weights"]
 
 
-def test_a_rank_killed_by_sigkill_is_restarted_and_the_run_resumes_bitwise(runs, tmp_path):
-    # torchrun, 8 ranks: rank 1 kills itself with SIGKILL (kill -9) at the start of epoch 2;
-    # torchrun starts all 8 again (--max-restarts 1), they resume from epoch 1's checkpoint and
-    # end bitwise on the run that never stopped.
-    result = run_torchrun(LESSON, *LAYOUTS["3d"], *SMALL, "--out-dir", tmp_path, nproc=8,
-                          torchrun_args=["--max-restarts", 1], patch="kill-rank-1")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "exitcode: -9" in result.stderr, result.stderr  # SIGKILL
-    assert "Traceback" not in result.stderr, result.stderr  # the others: one line each
+def test_a_rank_killed_by_sigkill_stops_the_run_in_one_line_and_it_resumes_bitwise(runs,
+                                                                                   tmp_path):
+    # 8 ranks: rank 1 kills itself with SIGKILL (kill -9) at the start of epoch 2. The run stops
+    # with one line; run again, it resumes from epoch 1's checkpoint and ends bitwise on the
+    # run that never stopped.
+    flags = [*LAYOUTS["3d"], *SMALL, "--out-dir", tmp_path]
+    result = run_lesson(LESSON, *flags, patch="kill-rank-1")
+    assert_one_line_error(result, "rank 1 was killed (SIGKILL)", "Run it again to resume")
+    result = check_ok(run_lesson(LESSON, *flags))
     assert ("1 of 2 epochs done, written by --dp 2 --pp 2 --tp 2, loaded by --dp 2 --pp 2 "
             "--tp 2") in result.stdout
-    assert read_metrics(tmp_path)["launcher"] == "torchrun"
+    assert read_metrics(tmp_path)["resumed_after_epoch"] == 1
     assert max_weight_difference(tmp_path, runs("3d")) == 0
 
 
 @pytest.mark.parametrize("layout", [["--dp", "1", "--pp", "1", "--tp", "1"],
                                     ["--dp", "1", "--pp", "2", "--tp", "2"]],
                          ids=["one_process", "1x2x2"])
-def test_the_3d_checkpoint_loads_into_one_process_and_another_layout(runs, layout, tmp_path):
+def test_the_3d_checkpoint_loads_into_one_process_and_another_layout(
+        runs, one_process_three_epochs, layout, tmp_path):
     # The 3-D run's checkpoint of epoch 2, resumed for a third epoch on another layout, ends
     # where one process's 3 epochs end.
-    straight = tmp_path / "straight"
     three = [*SMALL, "--epochs", "3"]
-    check_ok(run_lesson(LESSON, *LAYOUTS["one"], *three, "--out-dir", straight))
     resumed = tmp_path / "resumed"
     shutil.copytree(runs("3d") / "checkpoint", resumed / "checkpoint")
     result = check_ok(run_lesson(LESSON, *layout, *three, "--out-dir", resumed))
@@ -120,7 +126,7 @@ def test_the_3d_checkpoint_loads_into_one_process_and_another_layout(runs, layou
     assert f"2 of 3 epochs done, written by --dp 2 --pp 2 --tp 2, loaded by {loaded_by}" in (
         result.stdout)
     assert read_metrics(resumed)["resumed_after_epoch"] == 2
-    assert max_weight_difference(resumed, straight) < TOLERANCE
+    assert max_weight_difference(resumed, one_process_three_epochs) < TOLERANCE
 
 
 def test_two_torchrun_nodes_keep_each_tp_group_on_one_node(runs, tmp_path):
