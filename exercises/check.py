@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +38,7 @@ import check_cp
 import check_ep
 import check_pp
 import check_tp
-from verdicts import TOLERANCE, Mistake, Unchecked, readme, same
+from verdicts import TOLERANCE, Mistake, Unchecked, free_port, readme, same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(ROOT, "exercises", "probe")
@@ -129,12 +128,6 @@ class Run:
     def last_line(self):
         lines = [line for line in self.output.splitlines() if line.strip()]
         return lines[-1].strip() if lines else "(it printed nothing)"
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(script, flags, out_dir, probe_dir, cwd):

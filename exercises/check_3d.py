@@ -23,7 +23,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from verdicts import Mistake, Unchecked
+from verdicts import Mistake, Unchecked, free_port, read
 
 CLOSE = 1e-12  # float64: the same sums in another order differ by ~1e-14 after 2 steps
 # 2 steps of 8 sequences of 16 characters: dp 2 gives each rank 4, 2 micro-batches of 2; tp 2
@@ -268,19 +267,6 @@ def rank_main(rank, folders, out, port, wait):
             results = {"unchecked": str(error)}
         torch.save(results, os.path.join(out, f"rank{rank}-{index}.pt"))
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def read(path):
-    if not os.path.isfile(path):
-        return ""
-    with open(path) as f:
-        return f.read()
 
 
 def start_ranks(folders, out, timeout):

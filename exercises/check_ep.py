@@ -19,7 +19,6 @@ import importlib.util
 import logging
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verdicts import Mistake, Unchecked, readme
+from verdicts import Mistake, Unchecked, free_port, read, readme
 
 CLOSE = 1e-12  # float64: the same sums in another order differ by ~1e-15
 BATCH, TOKENS, DIM = 4, 16, 8  # prove_experts.py's: 4 sequences of 16 tokens, 8 features
@@ -343,20 +342,6 @@ def rank_main(rank, path, folder, port, timeout):
                 sys.exit(1)
     torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def read(path):
-    """A rank's file, or "" where it wrote none."""
-    if not os.path.isfile(path):
-        return ""
-    with open(path) as f:
-        return f.read()
 
 
 def why_it_stopped(folder, error):

@@ -1,5 +1,8 @@
 """What every check of exercises/check.py shares: its two verdicts other than PASS, the
-tolerance, and how a check points at a lesson's README."""
+tolerance, how a check points at a lesson's README, a free port, and a rank's file."""
+
+import os
+import socket
 
 import torch
 
@@ -27,3 +30,17 @@ def same(tensors, others):
     return len(tensors) == len(others) and all(
         torch.allclose(a, b, rtol=0, atol=TOLERANCE)
         for a, b in zip(tensors, others, strict=True))
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def read(path):
+    """A rank's file, or "" where it wrote none."""
+    if not os.path.isfile(path):
+        return ""
+    with open(path) as f:
+        return f.read()
