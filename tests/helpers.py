@@ -297,6 +297,24 @@ def run_torchrun(lesson, *args, nproc=2, torchrun_args=(), env=None, timeout=240
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_torchrun_nodes(lesson, *args, nproc=1, timeout=240):
+    """Two torchrun "nodes" on this machine, node ranks 0 and 1, nproc ranks each, meeting at a
+    free loopback port, both running `<lesson>/train.py args...`; their finished processes."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+         str(nproc), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
+         str(port), str(ROOT / lesson / "train.py"), *map(str, args)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    done = []
+    for node in nodes:
+        out, err = node.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(node.args, node.returncode, out, err))
+    return done
+
+
 def error_lines(text):
     return [line for line in text.splitlines() if line.startswith("error:")]
 

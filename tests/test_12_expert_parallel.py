@@ -19,7 +19,6 @@ a hundred times that; one wrong line of the dispatch moves the weights by 1e-3 a
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -35,6 +34,7 @@ from helpers import (
     read_metrics,
     run_lesson,
     run_torchrun,
+    run_torchrun_nodes,
 )
 
 LESSON = "12_expert_parallel"
@@ -140,18 +140,9 @@ def test_two_torchrun_nodes_share_one_ep_group(runs, tmp_path):
     # Two torchrun "nodes" on this machine, one rank each: the EP group spans them, every
     # all-to-all crosses between the nodes. The run ends on --ep 2's weights. Both write their
     # shards of the checkpoint to the one --out-dir, as on a filesystem the nodes share.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-         str(ROOT / LESSON / "train.py"), *LAYOUTS["ep2"], "--backend", "gloo",
-         "--out-dir", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    for node in nodes:
-        out, err = node.communicate(timeout=240)
-        assert node.returncode == 0, out + err
+    for node in run_torchrun_nodes(LESSON, *LAYOUTS["ep2"], "--backend", "gloo",
+                                   "--out-dir", tmp_path):
+        check_ok(node)
     metrics = read_metrics(tmp_path)
     assert (metrics["launcher"], metrics["world_size"], metrics["ep"]) == ("torchrun", 2, 2)
     assert max_weight_difference(tmp_path, runs("ep2")) < TOLERANCE

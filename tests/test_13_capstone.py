@@ -16,7 +16,6 @@ controls end 1.5e-3 to 4.0e-2 away. --batch-size 64 keeps the runs short (6 step
 what is proven does not depend on it."""
 
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -34,6 +33,7 @@ from helpers import (
     read_metrics,
     run_lesson,
     run_torchrun,
+    run_torchrun_nodes,
 )
 
 LESSON = "13_capstone"
@@ -133,19 +133,10 @@ def test_two_torchrun_nodes_keep_each_tp_group_on_one_node(runs, tmp_path):
     # Two torchrun "nodes" on this machine, 2 ranks each, --pp 2 --tp 2: ranks 0 and 1 (node 0)
     # are stage 0's TP group, ranks 2 and 3 (node 1) stage 1's; only the pipeline's sends
     # cross between the nodes. The run ends on one process's weights.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-         str(ROOT / LESSON / "train.py"), "--pp", "2", "--tp", "2", *SMALL,
-         "--out-dir", str(tmp_path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    for node in nodes:
-        out, err = node.communicate(timeout=240)
-        assert node.returncode == 0, out + err
-        assert "spans nodes" not in out
+    for node in run_torchrun_nodes(LESSON, "--pp", "2", "--tp", "2", *SMALL,
+                                   "--out-dir", tmp_path, nproc=2):
+        check_ok(node)
+        assert "spans nodes" not in node.stdout
     metrics = read_metrics(tmp_path)
     assert (metrics["launcher"], metrics["world_size"], metrics["dp"]) == ("torchrun", 4, 1)
     assert max_weight_difference(tmp_path, runs("one")) < TOLERANCE
