@@ -8,12 +8,12 @@ it when a message surprises you.
 
 Its parts, in this order, and the lessons that use each:
     flags, the launcher, --out-dir, Ctrl-C      every lesson
-    flags of one lesson that cannot work        06, 07, 09, 10, 11, 12
-    ranks that fail, stall or lose each other   02 to 12, and benchmarks/
-    nodes                                       03; nodes' backends compared: 09 to 12
+    flags of one lesson that cannot work        06, 07, 09 to 13
+    ranks that fail, stall or lose each other   02 to 13, and benchmarks/
+    nodes                                       03; nodes' backends compared: 09 to 13
     a save that fails                           every lesson
-    resuming from one file                      04; its restart store: 04, 07, 09 to 12
-    sharded checkpoints (DCP)                   07, 09 to 12
+    resuming from one file                      04; its restart store: 04, 07, 09 to 13
+    sharded checkpoints (DCP)                   07, 09 to 13
 """
 
 import contextlib
@@ -168,7 +168,7 @@ def leave_quickly():
 
 
 # ---------------------------------------------------------------------------------------------
-# Flags of one lesson that cannot work: 06, 07, 09, 10
+# Flags of one lesson that cannot work: 06, 07, 09 to 13
 # ---------------------------------------------------------------------------------------------
 def check_practice_args(args):
     """Every lesson's checks (check_args), then this lesson's: flag values that cannot work, and
@@ -287,9 +287,6 @@ def check_pipeline(args):
         fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
 
 
-# ---------------------------------------------------------------------------------------------
-# Ranks: the port, ranks that fail, stall or lose each other: 02 on
-# ---------------------------------------------------------------------------------------------
 def check_context_parallel(args):
     """Refuse, before any rank starts, a --dp x --cp layout that cannot split the sequences."""
     if args.dp is None:  # torchrun's ranks, or else the GPUs, in CP groups of --cp; at least 1
@@ -372,6 +369,9 @@ def check_layout(args):
         note_groups_across_nodes(args.tp, args.dp * args.pp, int(os.environ["LOCAL_WORLD_SIZE"]))
 
 
+# ---------------------------------------------------------------------------------------------
+# Ranks: the port, ranks that fail, stall or lose each other: 02 on
+# ---------------------------------------------------------------------------------------------
 def port_in_use(port):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR, as the rendezvous server itself sets it: a port that only lingers in
@@ -563,7 +563,7 @@ def how_it_died(exit_code, what="rank"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Nodes: node flags that cannot work, rank 0 out of reach, nodes that disagree: 03, 09, 10
+# Nodes: node flags that cannot work, rank 0 out of reach, nodes that disagree: 03, 09 to 13
 # ---------------------------------------------------------------------------------------------
 NODE_FLAGS = ("--nnodes", "--node-rank", "--nproc-per-node", "--master-addr", "--master-port")
 
@@ -776,7 +776,7 @@ def save_or_fail(path, tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Resuming from one file: a snapshot that cannot continue this run, or that some rank cannot
-# see (04); the store torchrun's restarts need (04, 07, 09, 10)
+# see (04); the store torchrun's restarts need (04, 07, 09 to 13)
 # ---------------------------------------------------------------------------------------------
 SNAPSHOT_KEYS = ("model", "optimizer", "epochs_completed", "train_loss", "world_size",
                  "settings")
@@ -955,7 +955,7 @@ def restart_store(rank, world_size, timeout):
 
 # ---------------------------------------------------------------------------------------------
 # Sharded checkpoints (DCP): a folder that cannot continue this run, a save that fails, ranks
-# that disagree on what to resume: 07, 09, 10
+# that disagree on what to resume: 07, 09 to 13
 # ---------------------------------------------------------------------------------------------
 def check_checkpoint(path, args):
     """Stop with one line if the checkpoint in path cannot go on as this run asks."""

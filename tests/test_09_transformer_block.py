@@ -105,3 +105,28 @@ def test_adam_moves_the_k_bias_by_about_lr_and_nothing_else(runs):
     assert 1e-4 < k_bias <= 2e-3 + 1e-6, stdout
     assert others < 1e-6, stdout
     assert k_bias > 100 * others, stdout
+
+
+def test_its_count_of_collectives_is_the_lessons(monkeypatch):
+    # The script keeps its own copy of tensor_parallel.count_collectives (it runs alone, and is
+    # exercise 09's starting point): both name each kind alike, and the script prints 0s too.
+    monkeypatch.syspath_prepend(str(ROOT / "09_tensor_parallel"))
+    spec = importlib.util.spec_from_file_location("transformer_block", ROOT / SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from tensor_parallel import count_collectives
+
+    class Seen:  # what CommDebugMode.get_comm_counts() returns: ops, by how often each ran
+        def __init__(self, counts):
+            self.counts = counts
+
+        def get_comm_counts(self):
+            return self.counts
+
+    for seen in ({"c10d_functional.all_gather_into_tensor.default": 2,
+                  "c10d_functional.reduce_scatter_tensor.default": 2},
+                 {"c10d.allreduce_.default": 3, "c10d._allgather_base_.default": 1}):
+        counts = count_collectives(Seen(seen))
+        assert sum(counts.values()) == sum(seen.values())
+        assert collectives(f"collectives in forward: {script.count(Seen(seen))}", "forward") == {
+            kind: counts.get(kind, 0) for kind in ("all-gather", "reduce-scatter", "all-reduce")}
