@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -160,15 +161,19 @@ def check_block(script, folder, timeout):
                       "copy lesson 09's, and write its tp_plan with sequence parallelism", page)
     out = os.path.join(folder, "block.pt")
     probe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "block_probe.py")
+    # Its own session: at the time bound, the probe and both its ranks are killed.
+    process = subprocess.Popen([sys.executable, probe, path, out], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, probe, path, out], capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True)
+        _, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
         raise Mistake("your transformer block did not finish one forward and backward within "
                       "the time bound", "a rank waits in a collective the other never makes: "
                       "compare your tp_plan with the lesson's", BLOCK) from None
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["(it printed nothing)"])[-1]
+    if process.returncode != 0:
+        last = (stderr.strip().splitlines() or ["(it printed nothing)"])[-1]
         raise Mistake(f"your transformer block failed in one forward and backward; its last "
                       f"line: {last}", "compare your tp_plan with the lesson's", BLOCK)
     measured = torch.load(out, weights_only=True)

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import (
     GPUS,
@@ -183,6 +184,21 @@ def test_a_tp_that_does_not_divide_the_model_gets_one_line(tmp_path):
         guard_rails.check_tensor_parallel(lesson.parse_args(["--layers", "2"]))
     assert stop.value.code.startswith("error: --layers 2 makes 3 linear layers")
     assert "use an odd --layers" in stop.value.code
+
+
+@pytest.mark.parametrize("lesson", [LESSON, "10_pipeline_parallel"])
+def test_the_gloo_fallback_note_is_printed_once_not_once_per_rank(lesson, monkeypatch, capsys):
+    # More ranks than GPUs: gloo on the CPU, said once. Under torchrun every process decides
+    # for itself, so only RANK 0 prints; mp.spawn's parent (no RANK) decides once for all.
+    choose_backend = import_lesson(lesson).choose_backend
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for rank, printed in (("0", 1), ("1", 0), ("3", 0), (None, 1)):
+        if rank is None:
+            monkeypatch.delenv("RANK", raising=False)
+        else:
+            monkeypatch.setenv("RANK", rank)
+        assert choose_backend("auto", 4) == "gloo"
+        assert capsys.readouterr().out.count("note: 4 ranks but 1 GPU(s)") == printed, rank
 
 
 def test_under_torchrun_dp_is_its_ranks_over_tp_or_one_line(monkeypatch):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bench.cases import AutocastForward, build_model, prepare, wrap_model
 from bench.flags import default_settings, parse_args
-from bench.plan import plan_cases
+from bench.plan import pipeline_problem, plan_cases
 from bench.ranks import leave_group
 from bench.rows import add_pipeline_speedups, case_name, noise_check, summarise, summarise_pipeline
 from helpers import GPUS, ROOT, assert_one_line_error, fsdp_rows
@@ -312,7 +312,7 @@ import torch.nn.functional as F
 sys.path.insert(0, sys.argv[1])  # benchmarks/, where scaling.py finds its bench package
 from bench import cases
 from bench.flags import cpu_cores, parse_args
-from bench.plan import plan_cases
+from bench.plan import pipeline_problem, plan_cases
 from bench.ranks import find_free_port, setup_process_group, worker
 from bench.rows import add_speedups
 
@@ -642,6 +642,27 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
     _, _, skipped = plan_cases(one_rank, "cpu", CORES)
     assert any(line.startswith("pipeline (gpipe): one rank holds the whole model")
                for line in skipped), skipped
+
+
+def test_pipeline_schedules_are_refused_only_where_torch_refuses_them():
+    """Torch's own rules (torch/distributed/pipelining/schedules.py): Schedule1F1B wants a
+    micro-batch per stage; ScheduleInterleaved1F1B only micro-batches that split into
+    max(1, m // p) equal rounds, so p = 4 with m = 3 (its docstring's example) runs, and
+    p = 2 with m = 3; p = 2 with m = 5 (rounds of 2) does not."""
+    def problem(schedule, stages, microbatches, layers=15):
+        args = parse_args(["--device", "cpu", "--pipeline", schedule, "--pipeline-layers",
+                           str(layers), "--microbatches", str(microbatches),
+                           "--batch-size", str(4 * microbatches)])
+        return pipeline_problem(schedule, stages, args)
+
+    assert problem("interleaved", 4, 3) is None
+    assert problem("interleaved", 2, 3) is None
+    assert problem("interleaved", 2, 1) is None
+    assert problem("interleaved", 2, 5) == ("interleaved runs the micro-batches in 2 equal "
+                                            "rounds (--microbatches 5 does not split into them)")
+    assert problem("1f1b", 4, 3) == "1f1b needs at least one micro-batch per stage " \
+                                    "(--microbatches 3)"
+    assert problem("1f1b", 4, 4) is None and problem("gpipe", 4, 1) is None
 
 
 def test_pipeline_speed_up_is_against_one_process_of_the_same_launch_and_simulation():

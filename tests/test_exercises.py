@@ -306,6 +306,44 @@ def test_a_missing_script_and_an_unknown_exercise_get_one_line(tmp_path):
     assert done.returncode == 2 and "no exercise '05'" in done.stderr.splitlines()[-1]
 
 
+# Each rank says who it is, then never returns. A rank stuck in a collective runs no Python
+# signal handler until the collective returns, so the SIGINT that torch's mp.spawn sends its
+# ranks when their parent dies does not stop it: SIG_IGN stands in for that.
+HANGING_BLOCK = """import os, signal, time
+def build_blocks(args, mesh, between):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    open(os.path.join(os.environ["PIDS"], str(os.getpid())), "w").close()
+    time.sleep(600)
+"""
+
+
+@pytest.mark.exercises
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_transformer_block_that_hangs_is_stopped_with_both_its_ranks(tmp_path, monkeypatch):
+    # Exercise 09's second part starts 2 ranks through exercises/block_probe.py: at the time
+    # bound, the verdict names the hang, and neither rank is left running.
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "transformer_block.py").write_text(HANGING_BLOCK)
+    monkeypatch.setenv("PIDS", str(tmp_path / "pids"))
+    monkeypatch.syspath_prepend(str(ROOT / "exercises"))
+    check_tp = load_exercise_module("check_tp")
+    with pytest.raises(check_tp.Mistake, match="did not finish one forward and backward"):
+        check_tp.check_block(str(tmp_path / "train.py"), str(tmp_path), timeout=20)
+    ranks = [int(pid.name) for pid in (tmp_path / "pids").iterdir()]
+    assert len(ranks) == 2, "the ranks did not start within the bound: raise it"
+
+    def running(pid):  # a process that has exited but not been reaped yet (Z) is not
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 5  # SIGKILL is delivered, not waited for
+    while any(map(running, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, ranks)), "a rank of the probe was left running"
+
+
 def test_every_link_of_the_checker_points_at_a_heading():
     links = []
     for path in (ROOT / "exercises").glob("*.py"):  # check.py and the checks it calls

@@ -56,9 +56,10 @@ def setup_process_group(rank, world_size, backend, timeout):
 
 def make_group(timeout, ranks=None, backend=None):
     """A process group beside the launch's, with its --timeout. Without one, new_group gives
-    the 30-minute default, whatever init_process_group was given (torch 2.14,
-    torch/distributed/distributed_c10d.py: _new_group_with_tag), and a collective that a peer
-    never joins would hold the run that long. new_group's rule: every rank creates every
+    the backend's default, 30 minutes for gloo and 10 for NCCL, whatever init_process_group was
+    given (torch 2.14, torch/distributed/distributed_c10d.py: _new_group_with_tag calls
+    _get_default_timeout), and a collective that a peer never joins would hold the run that
+    long. new_group's rule: every rank creates every
     group, in the same order."""
     return dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout), backend=backend)
 
