@@ -103,6 +103,14 @@ CASES = [
            "            dist.send(out.detach(), group=pp_group, group_dst=s + 1)\n"
            "            dist.recv(torch.empty_like(out), group=pp_group, group_src=s + 1)\n"),),
          "backwards in the wrong order", "10-backward-before-the-forwards-end"),
+    # The last stage runs its backwards last micro-batch first, the others in order: nothing
+    # waits, since every gradient has the same shape, but stage 0 adds each one to the wrong
+    # micro-batch's graph.
+    Case("10", "10_pipeline_parallel",
+         (("    for x, out in zip(inputs, outputs, strict=True):\n",
+           "    pairs = list(zip(inputs, outputs, strict=True))\n"
+           "    for x, out in (reversed(pairs) if s == p - 1 else pairs):\n"),),
+         "receive them in the order the next stage sends them", "10-last-stage-backwards-reversed"),
     Case("10", "10_pipeline_parallel",
          (("            dist.send(x.grad, group=pp_group, group_dst=s - 1)", "            pass"),),
          "never sends its gradient back", "10-gradient-never-sent-back"),

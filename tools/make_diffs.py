@@ -7,11 +7,12 @@ Every folder NN_name/ with a train.py is a lesson. Every lesson but the first sa
 docstring which lesson it builds on ("Lesson 02's program, now ..."), and is diffed against that
 one, with no exceptions: lesson 05 builds on lesson 02, not on 04. The diff goes to
 NN_name/from_<base>.diff, which the lesson's README links (code hosts show it in colour) and its
-notebook prints, so what the learner reads is always what the code does. After train.py's diff
-come the lesson's own modules that train.py imports (08's grad_sync.py, 09's tensor_parallel.py,
-10's pipeline.py and timeline.py), each diffed against the base's file of that name, or shown
-whole where the base has none. The guard
-rails live in guard_rails.py, the same file in every lesson, so no diff shows them.
+notebook prints, so what the learner reads is always what the code does. It opens with the
+lesson's own modules that train.py imports (08's grad_sync.py, 09's tensor_parallel.py, 10's
+pipeline.py and timeline.py), the idea a learner reads first, each diffed against the base's file
+of that name, or shown whole where the base has none; then train.py's diff, the few lines that
+use them. The guard rails live in guard_rails.py, the same file in every lesson, so no diff shows
+them.
 """
 
 import argparse
@@ -52,9 +53,9 @@ def modules_of(root, lesson):
 
 
 def lesson_diff(root, previous, lesson):
-    """train.py's diff from the base's, then each module it imports: a new one whole."""
+    """Each module train.py imports (a new one whole), then train.py's diff from the base's."""
     diffs = []
-    for name in ["train.py", *modules_of(root, lesson)]:
+    for name in [*modules_of(root, lesson), "train.py"]:
         before = root / previous / name
         old = before.read_text().splitlines(keepends=True) if before.is_file() else []
         new = (root / lesson / name).read_text().splitlines(keepends=True)
