@@ -13,6 +13,13 @@ from helpers import ROOT, run_lesson
 sys.path.insert(0, str(ROOT / "tools"))
 from ci_slots import SLOTS  # noqa: E402
 
+# Two workers run two lessons at once on the 2-core machine, and a run of one or two ranks gives
+# each rank the cores' worth of threads (cores // ranks), so together they ask for more threads
+# than there are cores. OpenMP's threads spin while they wait for work, on the cores the other
+# run computes on; PASSIVE puts a waiting thread to sleep. It changes no result, only how
+# threads wait. Every process the tests start inherits it (tests/README.md has the timings).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def shared_folder(tmp_path_factory):
     """A folder every pytest-xdist worker of this session sees: the session's base temporary

@@ -297,9 +297,11 @@ def run_torchrun(lesson, *args, nproc=2, torchrun_args=(), env=None, timeout=240
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_torchrun_nodes(lesson, *args, nproc=1, timeout=240):
+def run_torchrun_nodes(lesson, *args, nproc=1, timeout=240, check=True):
     """Two torchrun "nodes" on this machine, node ranks 0 and 1, nproc ranks each, meeting at a
-    free loopback port, both running `<lesson>/train.py args...`; their finished processes."""
+    free loopback port, both running `<lesson>/train.py args...`; their finished processes.
+    check: both must exit 0, else the failure shows both nodes' output (a node that lost its
+    peer says so; the cause is in the other one's)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -312,6 +314,10 @@ def run_torchrun_nodes(lesson, *args, nproc=1, timeout=240):
     for node in nodes:
         out, err = node.communicate(timeout=timeout)
         done.append(subprocess.CompletedProcess(node.args, node.returncode, out, err))
+    if check:
+        assert [node.returncode for node in done] == [0, 0], "\n".join(
+            f"node {rank}: exit {node.returncode}\n{node.stdout}\n{node.stderr}"
+            for rank, node in enumerate(done))
     return done
 
 
