@@ -302,9 +302,7 @@ def run_torchrun_nodes(lesson, *args, nproc=1, timeout=240, check=True):
     free loopback port, both running `<lesson>/train.py args...`; their finished processes.
     check: both must exit 0, else the failure shows both nodes' output (a node that lost its
     peer says so; the cause is in the other one's)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
          str(nproc), "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port",
