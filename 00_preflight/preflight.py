@@ -614,6 +614,9 @@ def parse_args(argv=None):
         sys.exit(f"error: --timeout must be a finite number (got {args.timeout})")
     if args.timeout <= 0:
         sys.exit(f"error: --timeout must be positive (got {args.timeout:g})")
+    if args.timeout > 3e7:  # larger ones overflow inside torch (the lessons' check_args)
+        sys.exit(f"error: --timeout must be at most 3e7 seconds, about a year (got "
+                 f"{args.timeout:g})")
     return args
 
 

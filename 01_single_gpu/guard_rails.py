@@ -71,7 +71,7 @@ def check_args(args):
             fail(f"--{name.replace('_', '-')} must be a finite number (got {value})")
     for name in ("epochs", "batch_size", "save_every", "world_size", "nnodes", "nproc_per_node",
                  "crash_at_epoch", "hidden", "layers", "dp", "tp", "stages", "microbatches",
-                 "cp", "pp", "seq_len", "dim", "heads"):
+                 "cp", "pp", "ep", "experts", "top_k", "seq_len", "dim", "heads"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
@@ -79,6 +79,11 @@ def check_args(args):
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             fail(f"--{name} must be positive (got {value:g})")
+    # Far larger timeouts overflow inside torch and fail with words that name no flag (torch
+    # 2.14, gloo: 1e10 s, the store's connect "timed out after 10000000000000ms" at once; 1e13
+    # s, "Invalid timeout"); a year is more than any job waits.
+    if getattr(args, "timeout", None) is not None and args.timeout > 3e7:
+        fail(f"--timeout must be at most 3e7 seconds, about a year (got {args.timeout:g})")
     return args
 
 
@@ -239,14 +244,15 @@ def check_tensor_parallel(args):
 
 
 def note_groups_across_nodes(tp, dp, per_node):
-    """Say so when a TP group spans nodes: group d is ranks d*tp .. d*tp + tp - 1, and torchrun
-    gives node n ranks n*per_node onwards (every node the same --nproc-per-node: check_nodes)."""
+    """Say so when a TP group spans nodes: tp is the mesh's innermost dimension, so TP group g
+    is ranks g*tp .. g*tp + tp - 1 (dp groups in lesson 09, dp x pp in 13), and torchrun gives
+    node n ranks n*per_node onwards (every node the same --nproc-per-node: check_nodes)."""
     groups = [list(range(d * tp, (d + 1) * tp)) for d in range(dp)]
     across = [g for g in groups if g[0] // per_node != g[-1] // per_node]
     if across:
         print(f"note: --tp {tp} does not divide the {per_node} ranks of a node: TP group "
               f"{across[0]} spans nodes {across[0][0] // per_node} to {across[0][-1] // per_node}, "
-              "and its all-reduces cross the network at every layer; a --tp that divides "
+              "and its collectives cross the network at every layer; a --tp that divides "
               "--nproc-per-node keeps each group on one node", flush=True)
 
 
@@ -287,14 +293,25 @@ def check_pipeline(args):
         fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
 
 
-def check_context_parallel(args):
-    """Refuse, before any rank starts, a --dp x --cp layout that cannot split the sequences."""
-    if args.dp is None:  # torchrun's ranks, or else the GPUs, in CP groups of --cp; at least 1
-        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
-        args.dp = max(1, ranks // args.cp)
-    if started_by_torchrun() and args.dp * args.cp != args.world_size:
+def check_context_parallel(args, load_data):
+    """Refuse, before any rank starts, a --dp x --cp layout that cannot split the sequences, or
+    a --batch-size or --seq-len that leaves a rank no step. --dp, when not given: torchrun's
+    ranks / --cp; else the most CP groups of --cp GPUs that --batch-size splits over, at least 1."""
+    idle = 0  # GPUs that the chosen --dp leaves without a rank
+    if started_by_torchrun() and args.dp is None:
+        if args.world_size % args.cp:
+            fail(f"torchrun started {args.world_size} ranks, which do not make CP groups of "
+                 f"--cp {args.cp}; start a multiple of {args.cp} processes in all, or change --cp")
+        args.dp = args.world_size // args.cp
+    elif started_by_torchrun() and args.dp * args.cp != args.world_size:
         fail(f"--dp {args.dp} x --cp {args.cp} = {args.dp * args.cp} ranks, but torchrun "
              f"started {args.world_size}; start dp x cp processes in all, or change --dp or --cp")
+    elif args.dp is None:
+        gpus = torch.cuda.device_count()
+        args.dp = max((d for d in range(1, gpus // args.cp + 1) if args.batch_size % d == 0),
+                      default=1)
+        if args.backend != "gloo" and args.cp <= gpus:  # else the ranks train on the CPU
+            idle = gpus - args.dp * args.cp
     if args.seq_len % (2 * args.cp):
         fail(f"--seq-len {args.seq_len} does not split into 2 x --cp = {2 * args.cp} equal "
              f"chunks (each rank holds two); use a multiple of {2 * args.cp}")
@@ -304,41 +321,102 @@ def check_context_parallel(args):
     if args.dim % args.heads:
         fail(f"--heads {args.heads} does not divide --dim {args.dim}: each head takes "
              f"dim / heads of every token's features")
+    try:
+        train, validation = (len(part) for part in load_data(args.seq_len))
+    except RuntimeError:  # unfold's: a text shorter than one sequence has no window to cut
+        fail(f"--seq-len {args.seq_len} is longer than a text load_data cuts (not one sequence "
+             f"of {args.seq_len + 1} characters); use a shorter --seq-len")
+    # Each CP group's sampler (drop_last) deals it train // dp sequences, read in whole batches
+    # of batch_size // dp; validation_loss gives each group every dp-th sequence: both at least 1.
+    if validation < args.dp:
+        fail(f"--seq-len {args.seq_len} cuts the validation text into {validation}, fewer than "
+             f"the --dp {args.dp} groups, which need one each; use a smaller --dp or a shorter "
+             "--seq-len")
+    if train // args.dp < args.batch_size // args.dp:
+        fail(f"--batch-size {args.batch_size} leaves no step: with --dp {args.dp}, each group "
+             f"reads {train // args.dp} of the {train} training sequences, in batches of "
+             f"{args.batch_size // args.dp}; use a --batch-size of at most "
+             f"{train // args.dp * args.dp}, or a shorter --seq-len")
+    if idle:
+        print(f"note: {args.dp * args.cp} of the {gpus} GPUs train, one rank each: --dp "
+              f"{args.dp} x --cp {args.cp}, the most CP groups of {args.cp} GPUs that "
+              f"--batch-size {args.batch_size} splits over evenly; {idle} stay idle (choose "
+              "--dp, and a --batch-size that it divides, to use more)", flush=True)
 
 
-def check_expert_parallel(args):
-    """Refuse, before any rank starts, a --dp x --ep layout that cannot share out the experts."""
-    if args.dp is None:  # torchrun's ranks, or else the GPUs, in EP groups of --ep; at least 1
-        ranks = args.world_size if started_by_torchrun() else torch.cuda.device_count()
-        args.dp = max(1, ranks // args.ep)
-    if started_by_torchrun() and args.dp * args.ep != args.world_size:
+def check_expert_parallel(args, load_data):
+    """Refuse, before any rank starts, a --dp x --ep layout that cannot share out the experts,
+    or a --batch-size or --seq-len that leaves a rank no step. --dp, when not given: torchrun's
+    ranks / --ep; else the most EP groups of --ep GPUs that --batch-size splits over, at least 1."""
+    idle = 0  # GPUs that the chosen --dp leaves without a rank
+    if started_by_torchrun() and args.dp is None:
+        if args.world_size % args.ep:
+            fail(f"torchrun started {args.world_size} ranks, which do not make EP groups of "
+                 f"--ep {args.ep}; start a multiple of {args.ep} processes in all, or change --ep")
+        args.dp = args.world_size // args.ep
+    elif started_by_torchrun() and args.dp * args.ep != args.world_size:
         fail(f"--dp {args.dp} x --ep {args.ep} = {args.dp * args.ep} ranks, but torchrun "
              f"started {args.world_size}; start dp x ep processes in all, or change --dp or --ep")
-    if args.ep < 1 or args.experts % args.ep:
+    elif args.dp is None:
+        gpus = torch.cuda.device_count()
+        args.dp = max((d for d in range(1, gpus // args.ep + 1)
+                       if args.batch_size % (d * args.ep) == 0), default=1)
+        if args.backend != "gloo" and args.ep <= gpus:  # else the ranks train on the CPU
+            idle = gpus - args.dp * args.ep
+    if args.experts % args.ep:
         fail(f"--experts {args.experts} does not share out over --ep {args.ep}: every rank of "
              f"an EP group holds experts / ep of them; use an --ep that divides {args.experts}")
     if not 1 <= args.top_k <= args.experts:
         fail(f"--top-k {args.top_k} must be from 1 to --experts {args.experts}: the experts "
              "each token goes to")
-    if args.batch_size % (args.dp * args.ep):
+    ranks = args.dp * args.ep
+    if args.batch_size % ranks:
         fail(f"--batch-size {args.batch_size}, the global batch, does not split over --dp x --ep "
-             f"= {args.dp * args.ep} ranks (each reads its own sequences); use a multiple of "
-             f"{args.dp * args.ep}")
+             f"= {ranks} ranks (each reads its own sequences); use a multiple of {ranks}")
     if args.capacity_factor < 0 or args.balance_loss < 0:
         fail("--capacity-factor and --balance-loss must be 0 (off) or more")
     if args.dim % args.heads:
         fail(f"--heads {args.heads} does not divide --dim {args.dim}: each head takes "
              f"dim / heads of every token's features")
+    try:
+        train, validation = (len(part) for part in load_data(args.seq_len))
+    except RuntimeError:  # unfold's: a text shorter than one sequence has no window to cut
+        fail(f"--seq-len {args.seq_len} is longer than a text load_data cuts (not one sequence "
+             f"of {args.seq_len + 1} characters); use a shorter --seq-len")
+    # Each rank's sampler (drop_last) deals it train // ranks sequences, read in whole batches;
+    # validation_loss gives each rank every ranks-th sequence: both at least one.
+    if train < ranks or validation < ranks:
+        fail(f"--seq-len {args.seq_len} cuts the texts into {train} training and {validation} "
+             f"validation sequences: too few for {ranks} ranks, one each at least; use a "
+             "shorter --seq-len")
+    if train // ranks < args.batch_size // ranks:
+        fail(f"--batch-size {args.batch_size} leaves no step: each of the {ranks} ranks reads "
+             f"{train // ranks} of the {train} training sequences, in batches of "
+             f"{args.batch_size // ranks}; use a --batch-size of at most {train // ranks * ranks}")
+    if idle:
+        print(f"note: {ranks} of the {idle + ranks} GPUs train, one rank each: --dp {args.dp} x "
+              f"--ep {args.ep}, the most EP groups of {args.ep} that --batch-size "
+              f"{args.batch_size} splits over evenly; {idle} stay idle (choose --dp, and a "
+              "--batch-size that --dp x --ep divides, to use more)", flush=True)
 
 
 def check_layout(args):
-    """Refuse, before any rank starts, a --dp x --pp x --tp layout that cannot split the GPT."""
+    """Refuse, before any rank starts, a --dp x --pp x --tp layout that cannot split the GPT.
+    --dp, when not given: torchrun's ranks / (pp x tp); else the most pipelines of pp x tp GPUs
+    for which dp x micro-batches divides --batch-size; 2 on the CPU if no pipeline fits."""
     ranks_per_pipeline = args.pp * args.tp
+    idle = 0  # GPUs that the chosen --dp leaves without a rank
     if args.dp is None and started_by_torchrun():  # its ranks, in pipelines of pp x tp
         args.dp = max(1, args.world_size // ranks_per_pipeline)
-    elif args.dp is None:  # a pipeline on every pp x tp GPUs; too few GPUs: 2, on the CPU
+    elif args.dp is None:  # the most pipelines of pp x tp GPUs that --batch-size splits over
         gpus = torch.cuda.device_count()
-        args.dp = gpus // ranks_per_pipeline if gpus >= ranks_per_pipeline else 2
+        most = gpus // ranks_per_pipeline
+        args.dp = max((d for d in range(1, most + 1)
+                       if args.batch_size % (d * args.microbatches) == 0), default=1)
+        if not most:  # no pipeline fits on the GPUs: 2 pipelines on the CPU, with gloo
+            args.dp = 2
+        elif args.backend != "gloo":  # else the ranks train on the CPU
+            idle = gpus - args.dp * ranks_per_pipeline
     world = args.dp * ranks_per_pipeline
     if started_by_torchrun() and world != args.world_size:
         fail(f"--dp {args.dp} x --pp {args.pp} x --tp {args.tp} = {world} ranks, but torchrun "
@@ -367,6 +445,12 @@ def check_layout(args):
              f"refuses fewer): --microbatches {args.microbatches} is fewer than --pp {args.pp}")
     if started_by_torchrun() and os.environ.get("RANK") == "0":  # one line, not one per rank
         note_groups_across_nodes(args.tp, args.dp * args.pp, int(os.environ["LOCAL_WORLD_SIZE"]))
+    if idle:
+        print(f"note: {world} of the {world + idle} GPUs train, one rank each: --dp {args.dp} x "
+              f"--pp {args.pp} x --tp {args.tp}, the most pipelines of {ranks_per_pipeline} GPUs "
+              f"for which --dp x --microbatches {args.microbatches} divides --batch-size "
+              f"{args.batch_size}; {idle} stay{'s' if idle == 1 else ''} idle (choose --dp, and a "
+              "--batch-size that dp x --microbatches divides, to use more)", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -961,6 +1045,7 @@ def check_checkpoint(path, args):
     """Stop with one line if the checkpoint in path cannot go on as this run asks."""
     import torch.distributed.checkpoint as dcp  # lesson 07 alone needs it
 
+    check_checksums(path)  # every file whole, as its save wrote it, before any is read
     try:
         # DCP's .metadata is a pickle, read with pickle.load (not weights_only): resume only
         # from checkpoints you or your job wrote. The shards themselves load weights_only.
@@ -968,27 +1053,10 @@ def check_checkpoint(path, args):
         with open(os.path.join(path, "progress.json")) as f:
             done = json.load(f)["epochs_completed"]
         held = checkpoint_sizes(metadata.state_dict_metadata)
-        # Every file the metadata names must be there, with the bytes it says: a shard deleted
-        # or cut short would stop every rank in dcp.load, each with a traceback. storage_data
-        # maps each chunk of a tensor to a _StorageInfo: relative_path, offset and length in
-        # that file (torch/distributed/checkpoint/filesystem.py, FileSystemWriter.finish).
-        needed = {}
-        for chunk in metadata.storage_data.values():
-            end = chunk.offset + chunk.length
-            needed[chunk.relative_path] = max(end, needed.get(chunk.relative_path, 0))
     except Exception as error:  # a damaged folder raises one of several types
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         fail(f"{path} cannot be loaded ({type(error).__name__}: {reason[:150]}); it is damaged "
              "or not a checkpoint of this lesson: delete it or choose another --out-dir")
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        has = os.path.getsize(file) if os.path.isfile(file) else None
-        if has is None or has < size:
-            what = "is missing" if has is None else f"is cut short ({has} of its {size} bytes)"
-            older = checkpoints_beside(path)
-            fix = (f"delete {path} to resume from {older[-1]}" if older else
-                   f"delete {path} to start afresh")
-            fail(f"{path} is damaged: its file {name} {what}; {fix}, or choose another --out-dir")
     for flag, value in held.items():
         asked = getattr(args, flag.removeprefix("--").replace("-", "_"), 1)  # --layers: 1
         if value != asked:
@@ -997,6 +1065,63 @@ def check_checkpoint(path, args):
     if done > args.epochs:
         fail(f"{path} has {done} epochs done, more than --epochs {args.epochs}; ask for at "
              f"least {done} or choose another --out-dir")
+
+
+CHECKSUMS = "checksums.json"  # the last file a save writes into its folder (record_checksums)
+
+
+def file_sha256(file):
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record_checksums(path):
+    """Write the size and SHA-256 of every file of the checkpoint folder path into its
+    checksums.json, the folder's last file. DCP's load reads each tensor from the file, offset
+    and length that .metadata names, and checks no checksum: a shard overwritten with other
+    bytes of the same size (another epoch's shard, a disk's error) would load without a word."""
+    sums = {name: [os.path.getsize(os.path.join(path, name)), file_sha256(os.path.join(path, name))]
+            for name in sorted(os.listdir(path)) if name != CHECKSUMS}
+    tmp_path = os.path.join(path, f"{CHECKSUMS}.tmp")
+    with open(tmp_path, "w") as f:
+        json.dump(sums, f, indent=1)
+    os.replace(tmp_path, os.path.join(path, CHECKSUMS))  # whole or not at all
+
+
+def check_checksums(path):
+    """Stop with one line unless every file of the checkpoint folder path holds the bytes that
+    record_checksums found in it when its save ended."""
+    try:
+        with open(os.path.join(path, CHECKSUMS)) as f:
+            sums = json.load(f)
+    except FileNotFoundError:
+        fail(f"{path} is damaged: it has no {CHECKSUMS}, which its save writes last, so the "
+             f"save was cut short; {damaged_fix(path)}")
+    except ValueError:
+        fail(f"{path} is damaged: its {CHECKSUMS} is not JSON; {damaged_fix(path)}")
+    for name, (size, sha256) in sorted(sums.items()):
+        file = os.path.join(path, name)
+        has = os.path.getsize(file) if os.path.isfile(file) else None
+        if has is None:
+            what = "is missing"
+        elif has != size:
+            what = f"is {'cut short' if has < size else 'longer'} ({has} of its {size} bytes)"
+        elif file_sha256(file) != sha256:
+            what = f"holds other bytes than its save wrote (its SHA-256 is not {CHECKSUMS}'s)"
+        else:
+            continue
+        fail(f"{path} is damaged: its file {name} {what}; {damaged_fix(path)}")
+
+
+def damaged_fix(path):
+    """What to do about the damaged checkpoint folder path: resume from the finished one beside
+    it, if there is one."""
+    older = checkpoints_beside(path)
+    fix = f"delete {path} to resume from {older[-1]}" if older else f"delete {path} to start afresh"
+    return f"{fix}, or choose another --out-dir"
 
 
 def checkpoint_sizes(tensors):
@@ -1017,12 +1142,12 @@ def checkpoint_sizes(tensors):
 
 
 def checkpoints_beside(path):
-    """The finished checkpoint folders beside the folder path (each with DCP's .metadata, which
-    dcp.save writes last), oldest first; path itself is not one of them."""
+    """The finished checkpoint folders beside the folder path (each with its checksums.json,
+    which its save writes last), oldest first; path itself is not one of them."""
     parent = os.path.dirname(path)
     names = sorted(os.listdir(parent)) if os.path.isdir(parent) else []
     return [os.path.join(parent, name) for name in names if name != os.path.basename(path)
-            and os.path.isfile(os.path.join(parent, name, ".metadata"))]
+            and os.path.isfile(os.path.join(parent, name, CHECKSUMS))]
 
 
 def checkpoint_not_written(path, error, rank=None):
@@ -1043,7 +1168,9 @@ def sharded_save_or_fail(rank, path):
     A write that fails, rank 0's before the barrier or any rank's in dcp.save (which hands
     each rank's failure to every rank, in a CheckpointException), ends the job with one line
     from rank 0 (checkpoint_not_written). The unfinished folder is removed, and every rank
-    stops: none waits for another until --timeout, or says that it lost contact."""
+    stops: none waits for another until --timeout, or says that it lost contact. A save that
+    ends well ends with checksums.json, each file's SHA-256 (record_checksums), which a resume
+    checks (check_checkpoint)."""
     from torch.distributed.checkpoint import CheckpointException
 
     past_barrier = []
@@ -1069,6 +1196,17 @@ def sharded_save_or_fail(rank, path):
             say_first(checkpoint_not_written(path, failed[0][1], failed[0][0]))
         dist.barrier()  # the others stop once rank 0 has said why
         sys.exit(1)
+    # dcp.save returns on rank 0 once every rank's shards and then .metadata are written: rank
+    # 0 records their checksums, and every rank waits for it, so that a save is over, for all,
+    # only once its folder is whole.
+    stopped = None
+    if rank == 0:
+        try:
+            record_checksums(path)
+        except OSError as error:
+            shutil.rmtree(path, ignore_errors=True)
+            stopped = SystemExit(checkpoint_not_written(path, error))
+    stop_together(rank, stopped)
 
 
 def agree_on_checkpoint(rank, checkpoint_dir, latest_checkpoint):

@@ -167,8 +167,9 @@ def save_atomically(obj, path):
 
 
 def latest_checkpoint(checkpoint_dir):
-    """The newest finished checkpoint folder, or None: dcp.save writes .metadata last of all."""
-    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", ".metadata")))
+    """The newest finished checkpoint folder, or None: a save writes checksums.json last of all,
+    after dcp.save's .metadata (guard_rails.py, record_checksums)."""
+    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", "checksums.json")))
     return os.path.dirname(finished[-1]) if finished else None
 
 

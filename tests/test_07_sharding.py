@@ -240,9 +240,10 @@ def crashed_and_resumed(lesson_run, tmp_path_factory):
     saved = out_dir / "checkpoint" / "epoch_0001"
     kept = tmp_path_factory.mktemp("lesson07_kept") / "checkpoint" / "epoch_0001"
     shutil.copytree(saved, kept)
-    # A save of epoch 2 that was cut short: its files, no .metadata. It must not be loaded.
+    # A save of epoch 2 that was cut short: its files and DCP's .metadata, not the checksums.json
+    # that a save writes last. It must not be loaded.
     shutil.copytree(saved, out_dir / "checkpoint" / "epoch_0002")
-    (out_dir / "checkpoint" / "epoch_0002" / ".metadata").unlink()
+    (out_dir / "checkpoint" / "epoch_0002" / "checksums.json").unlink()
     resumed = run_lesson(LESSON, *args)
     return crashed, resumed, out_dir, kept.parent.parent
 
@@ -321,7 +322,8 @@ def test_a_checkpoint_of_another_width_is_refused_in_one_line(lesson_run, tmp_pa
     metadata = tmp_path / "checkpoint" / "epoch_0020" / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:100])  # damaged
     result = run_lesson(LESSON, *CPU, "--out-dir", tmp_path)
-    assert_one_line_error(result, "cannot be loaded", "delete it")
+    assert_one_line_error(result, "is damaged: its file .metadata is cut short (100 of its ",
+                          "delete")
     assert not (tmp_path / "final.pt").exists()  # nothing trained from scratch in its place
 
 
@@ -376,7 +378,7 @@ def test_two_nodes_crash_restart_and_end_bitwise_equal_to_one_machine(lesson_run
     assert_same_weights(tmp_path, one_machine)
     # One checkpoint, with a file from the rank on each node.
     assert sorted(p.name for p in (tmp_path / "checkpoint" / "epoch_0020").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "progress.json"]
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "progress.json"]
 
 
 @needs_taskset
@@ -420,6 +422,38 @@ def test_a_checkpoint_with_a_shard_missing_or_cut_short_is_refused_in_one_line(l
         f"error: {folder} is damaged: its file __0_0.distcp is cut short (1000 of its ")
     assert f"delete {folder} to resume from {tmp_path / 'checkpoint' / 'epoch_0010'}" in str(
         stop.value.code)
+
+
+def test_a_shard_with_other_bytes_of_its_size_is_refused_by_its_checksum(lesson_run, tmp_path):
+    # DCP checks no checksum: one bit of a weight flipped in a shard loads without a word
+    # (tools/repro_dcp_no_checksum.py shows it). The save's checksums.json, the folder's last
+    # file, names every file's size and SHA-256, and the check before any rank starts uses it.
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "repro_dcp_no_checksum.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "read the changed shard without an error" in done.stdout
+    _, zero1 = two_ranks(lesson_run, "zero1")
+    shutil.copytree(zero1 / "checkpoint", tmp_path / "checkpoint")
+    folder = tmp_path / "checkpoint" / "epoch_0020"
+    sums = json.loads((folder / "checksums.json").read_text())
+    assert sorted(sums) == sorted(p.name for p in folder.iterdir() if p.name != "checksums.json")
+    shard = folder / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1  # the same size, one bit other
+    shard.write_bytes(data)
+    args = import_lesson(LESSON).parse_args(["--out-dir", str(tmp_path)])
+    guard_rails = import_guard_rails()
+    with pytest.raises(SystemExit) as stop:
+        guard_rails.check_checkpoint(str(folder), args)
+    assert stop.value.code == (
+        f"error: {folder} is damaged: its file __1_0.distcp holds other bytes than its save "
+        f"wrote (its SHA-256 is not checksums.json's); delete {folder} to start afresh, or "
+        "choose another --out-dir")
+    # A save cut short after DCP's .metadata, before its checksums: refused, not loaded.
+    (folder / "checksums.json").unlink()
+    with pytest.raises(SystemExit) as stop:
+        guard_rails.check_checkpoint(str(folder), args)
+    assert "it has no checksums.json, which its save writes last" in stop.value.code
 
 
 def test_a_read_only_checkpoint_folder_stops_the_job_in_one_line(lesson_run, tmp_path):

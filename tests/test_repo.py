@@ -341,6 +341,11 @@ def test_a_number_that_is_not_finite_gets_one_clear_line(script):
             with pytest.raises(SystemExit) as stop:
                 module.parse_args([flag, value])
             assert stop.value.code == f"error: {flag} must be a finite number (got {value})"
+    # A finite timeout too large for torch (it overflows inside, in words that name no flag).
+    if "--timeout" in flags:
+        with pytest.raises(SystemExit) as stop:
+            module.parse_args(["--timeout", "1e10"])
+        assert stop.value.code.startswith("error: --timeout must be at most 3e7 seconds")
 
 
 def test_a_number_that_is_not_finite_stops_a_run_with_one_line(tmp_path):
