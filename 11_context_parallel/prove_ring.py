@@ -4,9 +4,10 @@ It starts --cp ranks (gloo, on the CPU). Each holds its two chunks of one batch 
 keys and values, runs ring_attention and all_gather_attention forward and backward, and compares
 its part of the output and of the three gradients with full causal attention
 (F.scaled_dot_product_attention) on the whole sequence, in float64, where the only difference
-left is the order of the sums. Rank 0 prints the largest difference of each, the blocks each
-rank attends to (its work) in the balanced and the unbalanced layout, and the bytes each way
-sends per rank.
+left is the order of the sums. Rank 0 prints the largest difference of each, then what it
+measured while they ran (Watch): the blocks each rank computes (its work) in the balanced and
+the unbalanced layout, how many of them the ring computes while a pass travels, and the most it
+holds at once of what the others sent it; and the bytes each way sends per rank.
 
     python 11_context_parallel/prove_ring.py            # 2 ranks
     python 11_context_parallel/prove_ring.py --cp 4
@@ -17,24 +18,88 @@ import datetime
 import os
 import socket
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import ring_attention
 from guard_rails import spawn_guard
-from ring_attention import all_gather_attention, local_part, ring_attention, sequence_chunks
+from ring_attention import all_gather_attention, local_part
 
 TOLERANCE = 1e-12  # float64: the same sums in another order differ by ~1e-15
 
 
-def work(rank, cp, balanced):
-    """How many (query chunk, key chunk) blocks this rank computes: the causal mask hides a
-    block whose keys come after its queries."""
-    mine = sequence_chunks(rank, cp, balanced)
-    every = [c for r in range(cp) for c in sequence_chunks(r, cp, balanced)]
-    return sum(k <= q for q in mine for k in every)
+class Watch:
+    """Counts, on this rank, what ring_attention.py does: the blocks of scores it computes
+    (block_scores that the mask does not hide), how many while a pass of the ring is on its way
+    (started, not yet waited for), and the bytes it holds of what the others sent it: each
+    tensor the ring receives into, and the others' part of what the all-gather gathers, from its
+    arrival until the code lets it go (a weak reference says when)."""
+
+    def __init__(self):
+        self.blocks = self.overlapped = self.in_flight = self.now = self.base = self.most = 0
+        self.scores, self.send_and_receive, self.gather = (
+            ring_attention.block_scores, dist.batch_isend_irecv,
+            funcol.all_gather_single_autograd)
+        # ring_attention.py calls each through its module, so it calls these instead.
+        ring_attention.block_scores = self.block_scores
+        dist.batch_isend_irecv = self.ring_pass
+        funcol.all_gather_single_autograd = self.all_gather
+
+    def block_scores(self, *args):
+        scores = self.scores(*args)
+        self.blocks += scores is not None
+        self.overlapped += scores is not None and self.in_flight > 0
+        return scores
+
+    def ring_pass(self, ops):
+        for op in ops:
+            if op.op is dist.irecv:
+                self.hold(op.tensor, op.tensor.nbytes)
+        works = self.send_and_receive(ops)
+        self.in_flight += len(works)
+        return [Waited(work, self) for work in works]
+
+    def all_gather(self, tensor, *args, **kwargs):
+        gathered = self.gather(tensor, *args, **kwargs)
+        self.hold(gathered, gathered.nbytes - tensor.nbytes)  # all but this rank's own
+        return gathered
+
+    def hold(self, tensor, nbytes):
+        self.now += nbytes
+        self.most = max(self.most, self.now)
+        weakref.finalize(tensor, self.let_go, nbytes)
+
+    def let_go(self, nbytes):
+        self.now -= nbytes
+
+    def start(self):
+        """Count from here: what is held already (an earlier run's gradients) is not counted."""
+        self.blocks = self.overlapped = 0
+        self.base = self.most = self.now
+
+    def counts(self):
+        """[blocks, of them while a pass travels, the most bytes held] since start() or the
+        last counts(): forward's, then backward's (which includes what forward left held)."""
+        counts = [self.blocks, self.overlapped, self.most - self.base]
+        self.blocks = self.overlapped = 0
+        self.most = self.now
+        return counts
+
+
+class Waited:
+    """A pass's send or receive, which tells the Watch when it has been waited for."""
+
+    def __init__(self, work, watch):
+        self.work, self.watch = work, watch
+
+    def wait(self):
+        self.work.wait()
+        self.watch.in_flight -= 1
 
 
 def run(rank, args, port):
@@ -50,13 +115,17 @@ def run(rank, args, port):
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     F.scaled_dot_product_attention(*whole, is_causal=True).backward(grad_out)
     reference_out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    equal = True
-    for name, attention in (("ring", ring_attention), ("all-gather", all_gather_attention)):
+    equal, watch, counts = True, Watch(), {}
+    for name, attention in (("ring", ring_attention.ring_attention),
+                            ("all-gather", all_gather_attention)):
         for balanced in (True, False):
             mine = [local_part(t, rank, args.cp, balanced, dim=2).requires_grad_()
                     for t in (q, k, v)]
+            watch.start()
             out = attention(*mine, dist.group.WORLD, balanced)
+            forward = watch.counts()
             out.backward(local_part(grad_out, rank, args.cp, balanced, dim=2))
+            counts[name, balanced] = torch.tensor([forward, watch.counts()])
             parts = [(out, reference_out)] + [(m.grad, w.grad) for m, w in zip(mine, whole,
                                                                                 strict=True)]
             diffs = torch.stack([(a - local_part(b, rank, args.cp, balanced, dim=2)).abs().max()
@@ -67,16 +136,25 @@ def run(rank, args, port):
                 f"output {diffs[0]:.1e}, gradients of q {diffs[1]:.1e}, k {diffs[2]:.1e}, "
                 f"v {diffs[3]:.1e}")
     say(f"equal within {TOLERANCE:g}: {equal}")
-    for balanced in (True, False):
+    for balanced in (True, False):  # the blocks the ring's forward computed on each rank
+        work = [torch.zeros((), dtype=torch.int64) for _ in range(args.cp)]
+        dist.all_gather(work, counts["ring", balanced][0, 0])
         say(f"blocks per rank, {'balanced' if balanced else 'unbalanced':10}: "
-            + ", ".join(str(work(r, args.cp, balanced)) for r in range(args.cp)))
-    # A rank's keys and values: its seq_len / cp tokens, float64. The ring sends them on cp - 1
-    # times forward and again backward, and their gradients cp times; all-gather sends them to
-    # the cp - 1 others, and their gradients back.
-    kv = 2 * args.batch * args.heads * (args.seq_len // args.cp) * args.head_dim * 8
-    say(f"bytes each rank sends in a forward and backward: ring {(3 * args.cp - 2) * kv:,}, "
-        f"all-gather {2 * (args.cp - 1) * kv:,}; the most a rank holds of others' keys and "
-        f"values: ring {kv:,} (the next block), all-gather {(args.cp - 1) * kv:,}")
+            + ", ".join(str(int(w)) for w in work))
+    ring = counts["ring", True]  # [forward, backward] x [blocks, while a pass travels, bytes]
+    say(f"blocks the ring computes while a pass travels: {ring[0, 1]} of {ring[0, 0]} in "
+        f"forward, {ring[1, 1]} of {ring[1, 0]} in backward")
+    # A block: one rank's keys and values, its seq_len / cp tokens, float64. The ring sends its
+    # own on cp - 1 times forward and again backward, and their gradients cp times; all-gather
+    # sends it to the cp - 1 others, and their gradients back.
+    block = 2 * args.batch * args.heads * (args.seq_len // args.cp) * args.head_dim * 8
+    say(f"bytes each rank sends in a forward and backward: ring {(3 * args.cp - 2) * block:,}, "
+        f"all-gather {2 * (args.cp - 1) * block:,}")
+    held = {name: torch.stack([counts[name, True], counts[name, False]]).amax(dim=0)[:, 2]
+            for name in ("ring", "all-gather")}  # the most of either layout
+    say(f"blocks of {block:,} bytes a rank holds at once of what the others sent it: "
+        + "; ".join(f"{name} {held[name][0] / block:g} in forward, {held[name][1] / block:g} "
+                    "in backward" for name in held))
     dist.destroy_process_group()
     if not equal:
         sys.exit(1)

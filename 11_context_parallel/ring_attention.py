@@ -6,11 +6,13 @@ and rank r holds chunks r and 2N - 1 - r (balanced: under the causal mask every 
 same work), or, unbalanced, chunks 2r and 2r + 1. block_scores masks one block's scores
 causally; attend_block computes the attention of some queries to one block of keys and values,
 with the log-sum-exp of each query's scores; merge adds two such partial results into one (the
-online softmax). RingAttention is the autograd Function: forward passes each rank's keys and
-values around the ring (batch_isend_irecv) while it attends to the block it holds; backward
-passes them around again, with the gradients of the keys and values, which come home to their
-rank after N steps. all_gather_attention is the other way,
-torch's default: gather every rank's keys and values, attend, and let autograd reduce.
+online softmax); attend_chunks does it for a rank's two chunks of queries and a block's two of
+keys, and block_gradients is its backward. RingAttention is the autograd Function: at each step
+forward starts sending the block of keys and values it holds to the next rank (ring_pass,
+batch_isend_irecv, which returns at once), attends to it while it travels, then waits for the
+previous rank's; backward passes the blocks around again, and each block's gradients after it,
+which come home to their rank after N passes. all_gather_attention is the other way, torch's
+default: gather every rank's keys and values, attend, and let autograd reduce.
 """
 
 import math
@@ -66,17 +68,53 @@ def merge(out, lse, block):
     return (lse - new_lse).exp() * out + (block_lse - new_lse).exp() * block_out, new_lse
 
 
+def attend_chunks(outs, lses, q, q_chunks, k, v, k_chunks):
+    """Merge into outs and lses (one of each per query chunk) the attention of q's two chunks
+    (q_chunks) to the two of k and v (k_chunks)."""
+    for i, (qc, q_part) in enumerate(zip(q_chunks, q.chunk(2, dim=2), strict=True)):
+        for kc, k_part, v_part in zip(k_chunks, k.chunk(2, dim=2), v.chunk(2, dim=2), strict=True):
+            outs[i], lses[i] = merge(outs[i], lses[i], attend_block(q_part, k_part, v_part, qc, kc))
+
+
+def block_gradients(pieces, k, v, k_chunks):
+    """This rank's share of the gradients of one block of keys and values (k and v, chunks
+    k_chunks). pieces: for each of its two chunks of queries, the chunk, its q, grad_out, lse
+    and delta, and its part of grad_q, to which the block's share is added."""
+    grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+    for qc, q_part, go_part, lse_part, delta_part, gq_part in pieces:
+        scale = 1 / math.sqrt(q_part.shape[-1])
+        for kc, k_part, v_part, gk_part, gv_part in zip(
+                k_chunks, k.chunk(2, dim=2), v.chunk(2, dim=2), grad_k.chunk(2, dim=2),
+                grad_v.chunk(2, dim=2), strict=True):
+            scores = block_scores(q_part, k_part, qc, kc)  # again: none were kept
+            if scores is None:
+                continue
+            probs = (scores - lse_part).exp()  # this block's share of the softmax
+            gv_part.add_(probs.transpose(-2, -1) @ go_part)
+            grad_scores = probs * (go_part @ v_part.transpose(-2, -1) - delta_part)
+            gq_part.add_(grad_scores @ k_part * scale)
+            gk_part.add_(grad_scores.transpose(-2, -1) @ q_part * scale)
+    return grad_k, grad_v
+
+
 def ring_pass(tensors, group):
-    """Send tensors to the next rank of the ring and receive the previous rank's: one step."""
+    """Start one step of the ring: send tensors to the next rank, receive the previous rank's.
+    It returns at once, with a function that waits for them and returns them: this rank
+    computes while they travel."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     tensors = [t.contiguous() for t in tensors]  # sends take whole blocks of memory
     received = [torch.empty_like(t) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size) for t in tensors]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % size)
             for t in received]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+    works = dist.batch_isend_irecv(ops)
+
+    def arrived():
+        while works:  # the sends too; each let go once done, and with it the block it sent
+            works.pop().wait()
+        return received
+
+    return arrived
 
 
 class RingAttention(torch.autograd.Function):
@@ -86,21 +124,16 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, balanced):
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        q_chunks = sequence_chunks(rank, cp, balanced)
         outs, lses = [None, None], [None, None]
         kv = (k, v)
         for step in range(cp):
+            if step < cp - 1:  # they go on to the next rank while this one attends to them
+                next_kv = ring_pass(kv, group)
             source = (rank - step) % cp  # whose keys and values this rank holds now
-            if step < cp - 1:  # the next block travels while this one is used (here: in turn)
-                incoming = ring_pass(kv, group)
-            for i, (qc, q_part) in enumerate(zip(q_chunks, q.chunk(2, dim=2), strict=True)):
-                for kc, k_part, v_part in zip(sequence_chunks(source, cp, balanced),
-                                              kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2),
-                                              strict=True):
-                    outs[i], lses[i] = merge(outs[i], lses[i],
-                                             attend_block(q_part, k_part, v_part, qc, kc))
+            attend_chunks(outs, lses, q, sequence_chunks(rank, cp, balanced), *kv,
+                          sequence_chunks(source, cp, balanced))
             if step < cp - 1:
-                kv = incoming
+                kv = next_kv()
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.balanced = group, balanced
@@ -111,35 +144,27 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, balanced = ctx.group, ctx.balanced
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        scale = 1 / math.sqrt(q.shape[-1])
         # Softmax's backward needs, per query, the sum of grad_out * out over its features.
         delta = (grad_out * out).sum(dim=-1, keepdim=True)
         grad_q = torch.zeros_like(q)
-        k_now, v_now = k, v
-        grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)  # of the block held now
-        q_chunks = sequence_chunks(rank, cp, balanced)
-        pieces = list(zip(q_chunks, q.chunk(2, dim=2), grad_out.chunk(2, dim=2),
-                          lse.chunk(2, dim=2), delta.chunk(2, dim=2), grad_q.chunk(2, dim=2),
-                          strict=True))
+        pieces = list(zip(sequence_chunks(rank, cp, balanced), q.chunk(2, dim=2),
+                          grad_out.chunk(2, dim=2), lse.chunk(2, dim=2), delta.chunk(2, dim=2),
+                          grad_q.chunk(2, dim=2), strict=True))
+        kv, earlier_grads = (k, v), None
         for step in range(cp):
+            if step < cp - 1:  # the keys and values go on while this rank computes
+                next_kv = ring_pass(kv, group)
             source = (rank - step) % cp
-            k_parts, v_parts = k_now.chunk(2, dim=2), v_now.chunk(2, dim=2)
-            gk_parts, gv_parts = grad_k.chunk(2, dim=2), grad_v.chunk(2, dim=2)
-            for qc, q_part, go_part, lse_part, delta_part, gq_part in pieces:
-                for j, kc in enumerate(sequence_chunks(source, cp, balanced)):
-                    scores = block_scores(q_part, k_parts[j], qc, kc)  # again: none were kept
-                    if scores is None:
-                        continue
-                    probs = (scores - lse_part).exp()  # this block's share of the softmax
-                    gv_parts[j].add_(probs.transpose(-2, -1) @ go_part)
-                    grad_scores = probs * (go_part @ v_parts[j].transpose(-2, -1) - delta_part)
-                    gq_part.add_(grad_scores @ k_parts[j] * scale)
-                    gk_parts[j].add_(grad_scores.transpose(-2, -1) @ q_part * scale)
-            # The block moves on with its gradients; after cp passes each is home again.
+            grad_k, grad_v = block_gradients(pieces, *kv, sequence_chunks(source, cp, balanced))
+            if earlier_grads:  # add them to the shares of the ranks before, arrived meanwhile
+                earlier_k, earlier_v = earlier_grads()
+                grad_k, grad_v = earlier_k.add_(grad_k), earlier_v.add_(grad_v)
+            if cp > 1:  # the gradients follow their block: the next rank holds it next
+                earlier_grads = ring_pass((grad_k, grad_v), group)
             if step < cp - 1:
-                k_now, v_now, grad_k, grad_v = ring_pass((k_now, v_now, grad_k, grad_v), group)
-            elif cp > 1:  # the last pass: only the gradients go on, home
-                grad_k, grad_v = ring_pass((grad_k, grad_v), group)
+                kv = next_kv()
+        if cp > 1:  # the last pass brings each rank its own block's gradients, summed
+            grad_k, grad_v = earlier_grads()
         return grad_q, grad_k, grad_v, None, None
 
 
@@ -154,14 +179,8 @@ def all_gather_attention(q, k, v, group, balanced=True):
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     gathered = [funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=group)
                 .chunk(cp, dim=0) for t in (k, v)]  # along the batch: [rank 0's, rank 1's, ...]
-    out = [None, None]
-    lse = [None, None]
-    for i, (qc, q_part) in enumerate(zip(sequence_chunks(rank, cp, balanced), q.chunk(2, dim=2),
-                                         strict=True)):
-        for source in range(cp):
-            for kc, k_part, v_part in zip(sequence_chunks(source, cp, balanced),
-                                          gathered[0][source].chunk(2, dim=2),
-                                          gathered[1][source].chunk(2, dim=2), strict=True):
-                out[i], lse[i] = merge(out[i], lse[i], attend_block(q_part, k_part, v_part, qc,
-                                                                    kc))
-    return torch.cat(out, dim=2)
+    outs, lses = [None, None], [None, None]
+    for source in range(cp):
+        attend_chunks(outs, lses, q, sequence_chunks(rank, cp, balanced), gathered[0][source],
+                      gathered[1][source], sequence_chunks(source, cp, balanced))
+    return torch.cat(outs, dim=2)

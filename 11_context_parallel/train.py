@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -116,35 +115,6 @@ def setup_process_group(rank, local_rank, world_size, backend, timeout):
     return device
 
 
-def local_bytes(tensors):
-    """Bytes of the tensors as this rank holds them: of a sharded one (a DTensor), its shard."""
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def memory_baseline(device):
-    """Reset the GPU's peak and return what it holds, for peak_memory_bytes to subtract."""
-    if device.type != "cuda":
-        return 0
-    # cuBLAS keeps megabytes of workspace for each thread that multiplies (backward has its own):
-    # made now, they stay out of the peak (torch/testing/_internal/common_utils.py skips them too).
-    torch.nn.Linear(2, 2).to(device)(torch.zeros(2, 2, device=device)).sum().backward()
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def peak_memory_bytes(device, baseline):
-    """This rank's peak: on a GPU, allocated since memory_baseline; on the CPU, resident memory."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) - baseline
-    if sys.platform == "win32":
-        return -1  # Windows has no getrusage: the table says n/a
-    import resource  # Unix and macOS only: imported here, so the lesson starts on Windows
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
-
-
 def save_atomically(obj, path):
     # Write to a temporary file in the same folder, then rename it over the target: a crash in
     # the middle of the write leaves the previous file intact instead of a half-written one.
@@ -161,8 +131,9 @@ def save_atomically(obj, path):
 
 
 def latest_checkpoint(checkpoint_dir):
-    """The newest finished checkpoint folder, or None: dcp.save writes .metadata last of all."""
-    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", ".metadata")))
+    """The newest finished checkpoint folder, or None: a save writes checksums.json last of all,
+    after dcp.save's .metadata (guard_rails.py, record_checksums)."""
+    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", "checksums.json")))
     return os.path.dirname(finished[-1]) if finished else None
 
 
@@ -182,7 +153,8 @@ def make_text(lines, seed):
 
 def load_data(seq_len):
     """Training and validation sequences of seq_len + 1 characters (inputs and the next
-    character to predict), cut from two texts of different sums; the same in every lesson run."""
+    character to predict), cut from two texts of the same sums in different random orders; the
+    same in every lesson run."""
     def windows(text):
         ids = torch.tensor([VOCAB.index(c) for c in text])
         count = (len(ids) - 1) // seq_len
@@ -518,7 +490,7 @@ def launch(args):
         # is one rank. The ranks of every node form one group, one mesh, one checkpoint.
         args.launcher = "torchrun"
         args.world_size = int(os.environ["WORLD_SIZE"])
-        check_context_parallel(args)  # --dp (default: WORLD_SIZE / --cp) x --cp = WORLD_SIZE
+        check_context_parallel(args, load_data)  # --dp (default: WORLD_SIZE / --cp) x --cp
         args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
                                       "torchrun's --nproc-per-node")
         check_backends_agree(args.backend, args.timeout)  # every node chose the same one
@@ -526,7 +498,7 @@ def launch(args):
         worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
         return
     args.launcher = "spawn"
-    check_context_parallel(args)  # --seq-len in 2 x --cp chunks, --batch-size over --dp
+    check_context_parallel(args, load_data)  # --seq-len in 2 x --cp chunks, a step for all
     args.world_size = args.dp * args.cp
     args.backend = choose_backend(args.backend, args.world_size, "--dp x --cp")
     check_sharding(args, latest_checkpoint)  # any checkpoint: the same model (guard rails)
@@ -559,8 +531,9 @@ def parse_args(argv=None):
     parser.add_argument("--cp", type=int, default=2,
                         help="ranks that split each sequence (a CP group: the ring)")
     parser.add_argument("--dp", type=int,
-                        help="CP groups that read different sequences "
-                        "(default: the GPUs, or torchrun's ranks, / --cp; at least 1)")
+                        help="CP groups that read different sequences (default: torchrun's "
+                        "ranks / --cp; else as many groups of --cp GPUs as --batch-size splits "
+                        "over, at least 1)")
     parser.add_argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
                         help="auto: NCCL when every rank has its own GPU, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
