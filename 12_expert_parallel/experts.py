@@ -58,7 +58,10 @@ def within_capacity(chosen, experts, capacity):
 def balance_loss(probs, chosen, experts):
     """The Switch Transformer's load-balancing loss (arXiv:2101.03961, eq. 4), summed over the
     sequences: experts x the sum over experts of (its share of the sequence's choices) x (its
-    mean probability). 1 when every expert gets its share, up to `experts` when one gets all.
+    mean probability). 1 when every expert gets its share, up to `experts` when one gets all;
+    an uneven load can also give less than 1, so its value is no measure of the imbalance.
+    What works is its gradient: the shares are counts, with none, so it lowers each expert's
+    mean probability in proportion to its share, the busiest expert's most.
     Per sequence (DeepSeek-V3's sequence-wise form), so the ranks' sums add up to one process's.
     """
     share = F.one_hot(chosen, experts).to(probs.dtype).mean(dim=(1, 2))  # [batch, experts]

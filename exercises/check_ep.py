@@ -132,15 +132,15 @@ def float64():
 def reference(module, experts, setting):
     """The output and gradients of each token's kept choices' experts times the router's
     weights, computed with no sorting; beside it, what tells the mistakes apart: every
-    expert's output for every token, each token's choices and weights, and the output without
-    the weights and without the capacity limit."""
+    expert's output for every token, each token's choices and weights, each choice's result
+    apart, and the output without the weights, with the top-k probabilities not rescaled to
+    sum to 1, and without the capacity limit."""
     moe, x, grad_out = build(module, experts, setting)
     top_k, capacity_factor = SETTINGS[setting]
     x.requires_grad_()
     probs = moe.router(x).softmax(dim=-1)
-    weights, chosen = probs.topk(top_k, dim=-1)
-    if top_k > 1:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    top, chosen = probs.topk(top_k, dim=-1)
+    weights = top / top.sum(dim=-1, keepdim=True) if top_k > 1 else top
     capacity = math.ceil(capacity_factor * TOKENS * top_k / experts) if capacity_factor else None
     kept = torch.ones_like(chosen, dtype=torch.bool)
     for b, sequence in enumerate(chosen.tolist()):  # each expert's first `capacity` choices
@@ -151,12 +151,12 @@ def reference(module, experts, setting):
                 taken[e] += int(kept[b, t, j])
     table = torch.stack([moe.experts[str(e)](x) for e in range(experts)])  # [expert, b, t, dim]
 
+    def terms(scale, keep):  # [k, batch, tokens, dim]: each choice's result, scaled and kept
+        return torch.stack([(scale[..., j] * keep[..., j])[..., None] * table.gather(
+            0, chosen[..., j][None, ..., None].expand(1, *x.shape))[0] for j in range(top_k)])
+
     def combine(scale, keep):
-        y = torch.zeros_like(x)
-        for j in range(top_k):
-            pick = chosen[..., j][None, ..., None].expand(1, *x.shape)
-            y = y + (scale[..., j] * keep[..., j])[..., None] * table.gather(0, pick)[0]
-        return y
+        return terms(scale, keep).sum(dim=0)
 
     out = combine(weights, kept)
     out.backward(grad_out)
@@ -164,7 +164,9 @@ def reference(module, experts, setting):
         return {"out": out.detach(), "tokens": x.grad, "router": moe.router.weight.grad,
                 "experts": {name: p.grad for name, p in moe.experts.named_parameters()},
                 "unweighted": combine(torch.ones_like(weights), kept).detach(),
+                "not rescaled": combine(top, kept).detach(),
                 "all kept": combine(weights, torch.ones_like(kept)).detach(),
+                "terms": terms(weights, kept).detach(),
                 "table": table.detach().flatten(1, 2), "chosen": chosen.flatten(0, 1),
                 "weights": weights.detach().flatten(0, 1)}
 
@@ -257,15 +259,33 @@ def judge_outputs(got, refs, who, ep):
                           "together, in expert order", DISPATCH)
         if "another weight" in found:
             t, scale, weight = found["another weight"]
-            raise Mistake(f"{one_each}{token_name(t)} got its expert's output times "
-                          f"{scale:.4f}, not its router weight {weight:.4f}",
-                          "each result was multiplied by another choice's weight: sort the "
-                          "weights with the tokens and experts", DISPATCH)
+            seen = (f"{one_each}{token_name(t)} got its expert's output times {scale:.4f}, "
+                    f"not its router weight {weight:.4f}")
+            if (refs[ONE_EACH]["weights"] - scale).abs().min() < 1e-9:
+                raise Mistake(f"{seen}, another token's", "each result was multiplied by "
+                              "another choice's weight: sort the weights with the tokens and "
+                              "experts", DISPATCH)
+            raise Mistake(seen, "no mistake on the checker's list gives that weight (it is no "
+                          "choice's router weight): compare how your combine weights each "
+                          "result, and the weights route gives, with the lesson's", DISPATCH)
         if setting == TOP_2 and not found:  # top-1 right, and top-2 not
-            raise Mistake(f"{seen}; with one expert per token it is right",
-                          "a token's results from its two experts were not both added: "
-                          "index_add sums every row of a token, an assignment keeps one",
-                          DISPATCH)
+            seen += "; with one expert per token it is right"
+            if close(out, ref["not rescaled"]):
+                raise Mistake(f"{seen}, and it is each token's two results times the router's "
+                              "probabilities of them as they are",
+                              "a token's top-2 weights were not rescaled to sum to 1: route "
+                              "divides the chosen experts' probabilities by their sum when "
+                              "top_k > 1", readme("12_expert_parallel", "the-mixture-of-experts"))
+            results = ref["terms"].flatten(1, 2)  # [choice, token, dim]: each result, weighted
+            either = torch.stack([*results, results.sum(dim=0)])  # one result, or both
+            if ((either - out.flatten(0, 1)).abs().amax(dim=-1) <= CLOSE).any(dim=0).all():
+                raise Mistake(f"{seen}, and each token got one of its two results",
+                              "a token's results from its two experts were not both added: "
+                              "index_add sums every row of a token, an assignment keeps one",
+                              DISPATCH)
+            raise Mistake(seen, "no mistake on the checker's list fits: what differs is how a "
+                          "token's two results are weighted and added; compare route's weights "
+                          "when top_k > 1, and the combine, with the lesson's", DISPATCH)
         if setting == CAPACITY and close(out, ref["all kept"]):
             raise Mistake(f"{who}, {setting_name(setting)}: the output is that of every choice "
                           "run, as if there were no capacity limit",
