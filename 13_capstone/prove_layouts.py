@@ -4,9 +4,12 @@ do not.
 It starts 8 ranks once (gloo, on the CPU, in float64). Every rank first trains the plain model
 alone: 2 steps, each on a global batch of 16 of train.py's sequences, Adam, clipped to
 the norm 0.25. Then the ranks run the layouts, several at once on different ranks, each with
-train.py's own parallelize and Trainer.train_step: every layout from 1 x 1 x 1 to 2 x 2 x 2,
-and 1 x 2 x 2 again with the 1F1B schedule. Each must end within TOLERANCE of one process. Then
-three controls, each one line of the lesson undone, must end far from it:
+train.py's own parallelize and Trainer.train_step, on parallelize.py's build_mesh: every
+layout from 1 x 1 x 1 to 2 x 2 x 2, and 1 x 2 x 2 again with the 1F1B schedule. Each must end
+within TOLERANCE of one process. On the layouts with dp 2 it also measures what FSDP holds: at
+the start and the end of each block's forward, which of the stage's blocks hold more of their
+weights than at rest (gathered); each block must be gathered alone, just before it runs, and
+freed after. Then three controls, each one line of the lesson undone, must end far from it:
 
     norms of a rank's own tokens              their gradients not summed over the tp ranks
     no FSDP over dp                           each dp rank steps with its own sequences' gradients
@@ -26,7 +29,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -34,6 +36,7 @@ import parallelize as lesson
 from guard_rails import spawn_guard
 from train import TinyGPT, Trainer, find_free_port, load_data, parallelize, start_ranks
 
+TIMEOUT = 120  # seconds any collective may wait, in the world group and every mesh's
 TOLERANCE = 1e-12  # float64: the same sums in another order differ by ~1e-14 after 2 steps
 CAUGHT = 1e-6  # a control must end at least this far from one process
 # MAX_NORM: below the first steps' gradient norms (0.71, 0.52), so that every step clips
@@ -75,7 +78,7 @@ def mistake(kind):
     if kind == "norms":
         return mock.patch.object(lesson, "SequenceParallel", NormOfOwnTokens)
     if kind == "no fsdp":
-        return mock.patch("parallelize.fully_shard", lambda module, mesh: module)
+        return mock.patch("parallelize.fully_shard", lambda module, **_: module)
     if kind == "clip":  # train.py imported clip_whole_model by name: patch its copy
         return mock.patch("train.clip_whole_model", lambda params, max_norm, group:
                           torch.nn.utils.clip_grad_norm_(list(params), max_norm))
@@ -96,9 +99,33 @@ def one_process(batches, seq_len):
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def local_numbers(module):
+    """The numbers of module's weights this rank holds now (of a DTensor, its shard)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+               for p in module.parameters())
+
+
+def watch_fsdp(model):
+    """Record, at the start and the end of each block's forward, which of the stage's blocks hold
+    more of their weights than at rest: the blocks FSDP has gathered. The hooks run after FSDP's
+    own (which gathers before the block's forward and frees after it). Returns the list it fills:
+    [block, gathered at its start, gathered at its end] per forward."""
+    rest = {name: local_numbers(block) for name, block in model.blocks.items()}
+    calls = []
+
+    def gathered():
+        return [name for name, block in model.blocks.items() if local_numbers(block) > rest[name]]
+
+    for name, block in model.blocks.items():
+        block.register_forward_pre_hook(lambda *_, name=name: calls.append([name, gathered()]))
+        block.register_forward_hook(lambda *_: calls[-1].append(gathered()))
+    return calls
+
+
 def run_layout(mesh, batches, seq_len, kind):
-    """train.py's steps on this layout; {name: largest difference} of this rank's stage."""
-    dp, pp, tp = mesh.shape
+    """train.py's steps on this layout: this rank's stage's weights, whole, and what FSDP held
+    (watch_fsdp) in every forward of every block."""
+    dp, pp, tp = (mesh[name].size() for name in ("dp", "pp", "tp"))
     args = Namespace(dp=dp, pp=pp, tp=tp, batch_size=BATCH, seq_len=seq_len, max_norm=MAX_NORM,
                      schedule="1f1b" if kind == "1f1b" else "gpipe",
                      microbatches=4 if kind == "1f1b" else 2, save_every=STEPS, out_dir="")
@@ -109,39 +136,43 @@ def run_layout(mesh, batches, seq_len, kind):
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         trainer = Trainer(model, schedule, None, optimizer, torch.device("cpu"), args,
                           dist.get_rank(), mesh)
+        fsdp_calls = watch_fsdp(model)
         dp_rank = mesh["dp"].get_local_rank()
         for batch in batches:  # this dp rank's sequences: every dp-th one
             trainer.train_step(batch[dp_rank::dp])
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-            for name, p in model.named_parameters()}
+            for name, p in model.named_parameters()}, fsdp_calls
 
 
 def each_rank(rank, port, seq_len):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=TIMEOUT))
     torch.set_default_dtype(torch.float64)
     train_set, _ = load_data(seq_len)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))
     batches = [train_set.tensors[0][order[s * BATCH:(s + 1) * BATCH]] for s in range(STEPS)]
     reference = one_process(batches, seq_len)
     found = []  # (layout, caught by a control?, parameter names this rank compared, difference)
+    fsdp = []  # on the layouts with dp 2: (layout, rank, forwards, forwards FSDP got right)
     for layouts in ROUNDS:
-        for name, shape, first, kind in layouts:
-            ranks = range(first, first + shape[0] * shape[1] * shape[2])
-            # Every rank makes every mesh, in the same order: each makes its groups with
-            # new_group, which every rank of the world calls (a rank outside one just keeps it).
-            mesh = DeviceMesh("cpu", torch.tensor(list(ranks)).view(shape),
-                              mesh_dim_names=("dp", "pp", "tp"))
-            if rank in ranks:
-                weights = run_layout(mesh, batches, seq_len, kind)
+        for name, (dp, pp, tp), first, kind in layouts:
+            # Every rank makes every mesh, in the same order: new_group, which build_mesh calls
+            # for each group, is a collective of the whole world (a rank outside gets None).
+            mesh = lesson.build_mesh("cpu", dp, pp, tp, TIMEOUT, first=first)
+            if mesh is not None:
+                weights, calls = run_layout(mesh, batches, seq_len, kind)
                 worst = max((weights[n] - reference[n]).abs().max().item() for n in weights)
                 found.append((name, kind not in (None, "1f1b"), sorted(weights), worst))
+                if dp > 1 and kind is None:
+                    right = [c for c in calls if c[1:] == [[c[0]], []]]
+                    fsdp.append((name, rank, len(calls), len(right)))
     every = [None] * WORLD
-    dist.all_gather_object(every, found)
+    dist.all_gather_object(every, (found, fsdp))
     if rank == 0:
-        report(every, sorted(reference))
+        report([f for f, _ in every], sorted(reference))
+        report_fsdp([f for _, f in every])
     dist.destroy_process_group()
 
 
@@ -170,6 +201,18 @@ def report(every, names):
             print(f"  dp x pp x tp = {name:34s} {worst:.1e}")
     print(f"every layout equal within {TOLERANCE:g}: {equal}")
     print(f"every control farther than {CAUGHT:g}: {caught}", flush=True)
+
+
+def report_fsdp(every):
+    """Rank 0: whether FSDP gathered each block alone for each of its forwards, and freed it."""
+    rows = sorted(row for found in every for row in found)
+    right = bool(rows) and all(calls > 0 and good == calls for _, _, calls, good in rows)
+    for name, rank, calls, good in [row for row in rows if row[3] != row[2]][:1]:
+        print(f"  FSDP at {name}, rank {rank}: in {calls - good} of {calls} forwards another "
+              "block was gathered, or this one was not, or was not freed after")
+    layouts = sorted({name for name, *_ in rows})
+    print(f"FSDP gathered each block alone for each forward and freed it after, on all "
+          f"{len(layouts)} layouts with dp 2: {right}", flush=True)
 
 
 def main():

@@ -1,9 +1,9 @@
 """Lesson 13, the capstone: one tiny GPT trained with FSDP x TP x PP on one device mesh.
 
 Lesson 11's program, its tiny GPT now trained with three kinds of parallelism at once, each a
-dimension of one (dp, pp, tp) mesh of ranks (parallelize.py, read it first): --pp stages each
+dimension of one (pp, dp, tp) mesh of ranks (parallelize.py, read it first): --pp stages each
 keep their share of the blocks (lesson 10), --tp ranks split each stage's weights by heads and by
-columns, with the sequence split over them between (lesson 09), and --dp copies of that
+hidden units, with the sequence split over them between (lesson 09), and --dp copies of that
 pipeline read different sequences, their weights sharded by FSDP (lesson 07). The default,
 --dp 2 --pp 2 --tp 2, is 8 ranks: a small cluster's layout, on a laptop. Every layout takes one
 process's steps; the checkpoint loads into any layout, and into one process.
@@ -145,8 +145,9 @@ def save_atomically(obj, path):
 
 
 def latest_checkpoint(checkpoint_dir):
-    """The newest finished checkpoint folder, or None: dcp.save writes .metadata last of all."""
-    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", ".metadata")))
+    """The newest finished checkpoint folder, or None: a save writes checksums.json last of all,
+    after dcp.save's .metadata (guard_rails.py, record_checksums)."""
+    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", "checksums.json")))
     return os.path.dirname(finished[-1]) if finished else None
 
 
@@ -166,7 +167,8 @@ def make_text(lines, seed):
 
 def load_data(seq_len):
     """Training and validation sequences of seq_len + 1 characters (inputs and the next
-    character to predict), cut from two texts of different sums; the same in every lesson run."""
+    character to predict), cut from two texts of the same sums in different random orders; the
+    same in every lesson run."""
     def windows(text):
         ids = torch.tensor([VOCAB.index(c) for c in text])
         count = (len(ids) - 1) // seq_len
@@ -405,7 +407,7 @@ def main(rank, local_rank, args):
     if args.float64:  # the proofs: float32 rounds each layout's sums apart, Adam amplifies it
         torch.set_default_dtype(torch.float64)
     train_set, val_set = load_data(args.seq_len)
-    mesh = build_mesh(device.type, args.dp, args.pp, args.tp)
+    mesh = build_mesh(device.type, args.dp, args.pp, args.tp, args.timeout)
     # Each dp rank reads its own sequences; the pp and tp ranks of one pipeline, the same ones.
     train_loader = prepare_dataloader(train_set, args.batch_size // args.dp, args.seed,
                                       mesh["dp"].get_local_rank(), args.dp)
@@ -562,8 +564,9 @@ def parse_args(argv=None):
                         help="ranks that split each stage's weights (a TP group)")
     parser.add_argument("--dp", type=int,
                         help="pipelines that read different sequences, their weights sharded "
-                        "by FSDP (default: torchrun's ranks, or the GPUs, / (--pp x --tp); "
-                        "without enough GPUs, 2)")
+                        "by FSDP (default: torchrun's ranks / (--pp x --tp); else the most "
+                        "pipelines the GPUs hold that --batch-size splits over; without enough "
+                        "GPUs, 2)")
     parser.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"],
                         help="the pipeline's order of micro-batches (lesson 10)")
     parser.add_argument("--microbatches", type=int, default=2,

@@ -4,11 +4,11 @@
     python benchmarks/capstone.py --quick    # 6 of them, 2 timed rounds: under a minute
 
 It starts 8 ranks once (gloo, on the CPU, a thread each) and runs every layout of 8 ranks or
-fewer on the first dp x pp x tp of them (every rank builds every layout's DeviceMesh, in the same
-order: new_group is a collective of the whole world), with lesson 13's own parallelize and
-Trainer.train_step (imported from its folder, not copied) and its default model: dim 32, 4 heads,
-4 blocks, sequences of 64 characters, a global batch of 16 in 2 micro-batches (GPipe), float32,
-Adam. Per rank, it measures:
+fewer on the first dp x pp x tp of them (every rank builds every layout's mesh with the lesson's
+build_mesh, in the same order: new_group is a collective of the whole world), with lesson 13's
+own parallelize and Trainer.train_step (imported from its folder, not copied) and its default
+model: dim 32, 4 heads, 4 blocks, sequences of 64 characters, a global batch of 16 in 2
+micro-batches (GPipe), float32, Adam. Per rank, it measures:
 
 - memory: the bytes of its weights, gradients and Adam's two averages (train.py's bytes_held),
   and the activations: the bytes autograd saves for backward in one step's forward passes (every
@@ -25,14 +25,15 @@ Adam. Per rank, it measures:
   interleaved rounds with the spread, each round the slowest rank's.
 
 Each count and byte total is printed beside its formula (formulas() below; benchmarks/README.md
-derives them), and the run fails if one differs. Then the same arithmetic for real clusters: how
-to split a model over your GPUs (suggest). The table goes to --out-dir/capstone.json.
+derives them), and the run fails if one differs. So are FSDP's all-gathers a step with
+torchtitan's setting under a pipeline, each block kept gathered from its forward to its backward
+(KEPT_GATHERED). Then the same arithmetic for real clusters: how to split a model over your GPUs
+(suggest). The table goes to --out-dir/capstone.json.
 """
 
 import argparse
 import datetime
 import json
-import math
 import os
 import statistics
 import sys
@@ -40,17 +41,20 @@ import time
 from argparse import Namespace
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 LESSON = Path(__file__).resolve().parent.parent / "13_capstone"
 sys.path.insert(0, str(LESSON))
+from parallelize import build_mesh  # noqa: E402  (lesson 13's, as train.py imports it)
 from train import (  # noqa: E402  (lesson 13's code, not a copy)
     VOCAB,
+    Block,
     TinyGPT,
     Trainer,
     bytes_held,
@@ -67,6 +71,10 @@ E = torch.float32.itemsize  # bytes a number
 LAYOUTS = [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (2, 2, 1, 2), (2, 1, 2, 2),
            (1, 2, 2, 2), (2, 2, 2, 2), (1, 1, 2, 4), (2, 2, 2, 4)]
 QUICK = [(1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (2, 2, 2, 2), (1, 1, 2, 4)]
+# torchtitan's FSDP setting under a pipeline, measured on these: fully_shard(block,
+# reshard_after_forward=False), each block held gathered from its forward to its backward
+KEPT_GATHERED = [(2, 2, 2, 2), (2, 2, 2, 4)]
+TIMEOUT = 120  # seconds any collective may wait, in the world group and every mesh's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +171,25 @@ def saved_activations(step, blocks):
 # ---------------------------------------------------------------------------------------------
 # One layout on its ranks
 # ---------------------------------------------------------------------------------------------
+def keep_blocks_gathered(module, mesh):
+    """fully_shard as torchtitan calls it when pp > 1: the blocks not resharded after forward
+    (gathered once a step, not for every micro-batch); the root, FSDP's default."""
+    kept = {"reshard_after_forward": False} if isinstance(module, Block) else {}
+    return fully_shard(module, mesh=mesh, **kept)
+
+
+def dp_gathers_kept(layout, mesh, batch):
+    """FSDP's all-gathers over dp in one step (after a warm-up step), the blocks kept gathered."""
+    with mock.patch("parallelize.fully_shard", keep_blocks_gathered):
+        _, _, step = build_layout(layout, mesh, batch)
+    step()
+    counter = CountCollectives({tuple(dist.get_process_group_ranks(mesh[d].get_group())): d
+                                for d in ("dp", "pp", "tp")})
+    with counter:
+        step()
+    return counter.counts["dp", "all-gather"][0]
+
+
 def build_layout(layout, mesh, batch):
     """Lesson 13's model on this rank's part of the layout, and a function that trains one step."""
     dp, pp, tp, microbatches = layout
@@ -200,18 +227,20 @@ def run(rank, args, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=TIMEOUT))
     batch = load_data(SEQ_LEN)[0].tensors[0][:BATCH]  # one global batch: 16 sequences
-    rows, steps = {}, {}
+    rows, steps, kept = {}, {}, {}
     for layout in args.layouts:
-        ranks = math.prod(layout[:3])
-        # Every rank makes every mesh, in the same order (new_group is a collective of all).
-        mesh = DeviceMesh("cpu", torch.arange(ranks).view(layout[:3]),
-                          mesh_dim_names=("dp", "pp", "tp"))
-        if rank < ranks:
+        # Every rank makes every mesh, in the same order (new_group is a collective of all);
+        # a rank outside the layout gets None.
+        mesh = build_mesh("cpu", *layout[:3], TIMEOUT)
+        if mesh is not None:
             model, optimizer, steps[layout] = build_layout(layout, mesh, batch)
             rows[layout] = measure(layout, mesh, model, optimizer, steps[layout])
         dist.barrier()  # the ranks outside the layout wait here
+    for layout in KEPT_GATHERED:  # on all 8 ranks
+        mesh = build_mesh("cpu", *layout[:3], TIMEOUT)
+        kept[layout] = dp_gathers_kept(layout, mesh, batch)
     seconds = torch.zeros(len(args.layouts), args.rounds, dtype=torch.float64)
     for r in range(args.rounds):  # interleaved: every layout once per round, alone
         for i, layout in enumerate(args.layouts):
@@ -222,12 +251,15 @@ def run(rank, args, port):
             dist.barrier()
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # each round: the layout's slowest rank
     every = [None] * WORLD
-    dist.all_gather_object(every, rows)
+    dist.all_gather_object(every, (rows, kept))
     dist.destroy_process_group()
     if rank == 0:
-        table = [make_row(layout, [r[layout] for r in every if layout in r], seconds[i].tolist())
-                 for i, layout in enumerate(args.layouts)]
-        if not report(table, args):
+        table = [make_row(layout, [r[layout] for r, _ in every if layout in r],
+                          seconds[i].tolist()) for i, layout in enumerate(args.layouts)]
+        kept = [{"dp": dp, "pp": pp, "tp": tp, "microbatches": m,
+                 "dp_all_gathers": [k[dp, pp, tp, m] for _, k in every],
+                 "formula": LAYERS // pp + 1} for dp, pp, tp, m in KEPT_GATHERED]
+        if not report(table, kept, args):
             sys.exit(1)
 
 
@@ -391,7 +423,16 @@ def print_speed(table, args, cores):
               f"{row['tokens_per_s'] / one:4.2f} x 1 x 1 x 1")
 
 
-def report(table, args):
+def print_kept_gathered(kept):
+    print("\nFSDP with torchtitan's setting under a pipeline, fully_shard(block, "
+          "reshard_after_forward=False): dp all-gathers a step of each rank, measured [formula "
+          "k + 1: each block once, the root once]")
+    for row in kept:
+        print(f"{row['dp']} x {row['pp']} x {row['tp']:<4} {row['microbatches']:2} | "
+              f"{' '.join(map(str, row['dp_all_gathers']))} [{row['formula']}]")
+
+
+def report(table, kept, args):
     """Print the tables and write the JSON; True if every measured count equals its formula."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"lesson 13's tiny GPT (dim {DIM}, 4 heads, {LAYERS} blocks, T = {SEQ_LEN}), a global "
@@ -399,14 +440,17 @@ def report(table, args):
           "Adam, gloo on the CPU")
     print_memory(table)
     print_collectives(table)
-    equal = all(row["equal"] for row in table)
+    print_kept_gathered(kept)
+    equal = all(row["equal"] for row in table) and all(
+        set(row["dp_all_gathers"]) == {row["formula"]} for row in kept)
     print(f"measured equal the formulas: {equal}")
     print_speed(table, args, cores)
     rule = print_rule()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "capstone.json"), "w") as f:
-        json.dump({"rows": table, "rule": rule, "cores": cores, "torch": torch.__version__,
-                   "rounds": args.rounds, "equal": equal}, f, indent=1)
+        json.dump({"rows": table, "kept_gathered": kept, "rule": rule, "cores": cores,
+                   "torch": torch.__version__, "rounds": args.rounds, "equal": equal}, f,
+                  indent=1)
     return equal
 
 
@@ -434,8 +478,11 @@ def suggest(gpus, gpus_per_node, layers, heads, params, gpu_bytes=GPU_BYTES, per
 def sends_per_step(layers, dim, params, dp, pp, tp, tokens=4096, m=8, e=2):
     """Bytes a GPU sends in a step of m micro-batches of one sequence (bf16), by the formulas
     above, their blocks' terms: TP 8 (tp - 1)/tp activations per block and micro-batch, PP an
-    activation and a gradient per micro-batch (1/tp of each), DP the stage's weights
-    (m + 2)(dp - 1)/dp times (FSDP as here, which gathers each block for every micro-batch)."""
+    activation and a gradient per micro-batch (1/tp of each), DP (dp - 1)/dp of the stage's
+    weights m + 2 times: FSDP as the lesson runs it, with GPipe, gathers each block for every
+    micro-batch's forward and once for backward, and reduce-scatters its gradients once. It
+    counts every weight as a block's (the root's, the embeddings and head, are gathered once
+    a step; the blocks hold nearly all of a large model's)."""
     activation = tokens * dim * e
     return {"tp": m * 8 * layers // pp * (tp - 1) * activation / tp,
             "pp": m * 2 * activation / tp if pp > 1 else 0,
@@ -450,8 +497,9 @@ the rule, for your own GPUs (the Ultra-Scale Playbook's), by the formulas above:
        block and micro-batch, and waits for them at every block: keep it on the node's links
   pp = the fewest stages whose share of the training state fits: PP sends the least, 2
        activations / tp per micro-batch, to the next stage: it can cross nodes
-  dp = the rest; FSDP shards the state once more, and gathers each stage's weights m + 2 times
-       a step here (torchtitan keeps them gathered over the micro-batches when pp > 1: 3 times)
+  dp = the rest; FSDP shards the state once more, and sends each stage's weights m + 2 times a
+       step here: m + 1 gathers, 1 reduce-scatter (with torchtitan's setting when pp > 1,
+       measured above: 1 gather, 1 reduce-scatter)
 for Llama 2 7B and 70B on GPUs of 80 GB, 8 a node; what a GPU sends in a step of 8
 micro-batches of one 4,096-token sequence, in bf16:""")
     rule = []

@@ -196,7 +196,7 @@ def run_layout(train, mesh, shape, batches):
     return found
 
 
-def run_copy(rank, folder, label, rounds, out):
+def run_copy(rank, folder, label, rounds, out, wait):
     """Every layout of one copy, on this rank's share; {layout: what it found}."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -219,11 +219,12 @@ def run_copy(rank, folder, label, rounds, out):
                 results[name] = {"skipped": SKIPPED}  # can raise on one stage while one waits
                 continue
             try:
+                dp, pp, tp = shape
                 if name == ALL:  # your build_mesh, which every rank calls
-                    mesh = train.build_mesh("cpu", *shape)
-                else:  # every rank makes every mesh, in the same order
-                    mesh = DeviceMesh("cpu", torch.tensor(ranks).view(shape),
-                                      mesh_dim_names=DIMENSIONS)
+                    mesh = train.build_mesh("cpu", dp, pp, tp, wait)
+                else:  # every rank makes every mesh, in the same order, the lesson's
+                    mesh = DeviceMesh("cpu", torch.tensor(ranks).view(pp, dp, tp),
+                                      mesh_dim_names=("pp", "dp", "tp"))
                 if rank in ranks:
                     results[name] = run_layout(train, mesh, shape, batches)
             except Exception as error:  # noqa: BLE001 (one line: what raised, and where)
@@ -253,7 +254,8 @@ def rank_main(rank, folders, out, port, wait):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # A rank whose partner raised waits `wait` seconds in a collective, then raises too: the
-    # layouts' groups, which DeviceMesh makes with new_group's default timeout, time out so.
+    # layouts' groups time out so, the checker's (DeviceMesh gives them new_group's default
+    # timeout) and your build_mesh's (given `wait`).
     dist.distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=wait)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=wait))
@@ -262,7 +264,7 @@ def rank_main(rank, folders, out, port, wait):
     for index, folder in enumerate(folders):
         label = f" of {os.path.basename(folder)}" if len(folders) > 1 else ""
         try:
-            results = run_copy(rank, folder, label, rounds, out)
+            results = run_copy(rank, folder, label, rounds, out, wait)
         except Unchecked as error:  # its train.py failed to import: on every rank
             results = {"unchecked": str(error)}
         torch.save(results, os.path.join(out, f"rank{rank}-{index}.pt"))
@@ -427,7 +429,7 @@ ERRORS = [
      "dp mesh (mesh[\"tp\"], mesh[\"dp\"]); with one of them 1 it cannot show", "parallelize"),
     (r"ascending order",
      "the mesh's dimensions named in another order than they are laid out: build_mesh's shape "
-     "is (dp, pp, tp) and so are its names", "build_mesh"),
+     "is (pp, dp, tp) and so are its names", "build_mesh"),
 ]
 
 

@@ -6,7 +6,8 @@ again against facts the benchmark's formulas do not compute: the weights of 2 x 
 process's over 8 (plus the norms TP keeps whole, and FSDP's padding), dp halves what the blocks
 save and pp halves it too, TP does not (it keeps the inputs it gathers whole), a dimension of
 size 1 sends nothing, TP's collectives grow with the micro-batches and with the blocks on a stage,
-and a pipeline's sends are one sequence-split activation per micro-batch. No figure is timed."""
+a pipeline's sends are one sequence-split activation per micro-batch, and FSDP gathers each block
+m + 1 times a step as the lesson runs it, once with torchtitan's setting. No figure is timed."""
 
 import json
 import statistics
@@ -71,5 +72,13 @@ def test_what_each_layout_costs_is_measured_beside_its_formula(tmp_path):
         4 * LAYERS + 4)
     for r in rows[2, 2, 2, 2]["ranks"]:  # 2 blocks a stage, one end each
         assert r["collectives"]["tp all-gather"][0] == 2 * (4 * LAYERS // 2 + 2)
+    # FSDP under the pipeline: as the lesson runs it, each block gathered for each micro-batch's
+    # forward and once for backward (2 blocks a stage at 2 x 2 x 2, and the root once); with
+    # torchtitan's setting (the blocks kept gathered from forward to backward), once a step,
+    # whatever the micro-batches, on every rank
+    for r in rows[2, 2, 2, 2]["ranks"]:
+        assert r["collectives"]["dp all-gather"][0] == 2 * (2 + 1) + 1
+    kept = {row["microbatches"]: row["dp_all_gathers"] for row in report["kept_gathered"]}
+    assert kept == {2: [2 + 1] * 8, 4: [2 + 1] * 8}
     for rule in report["rule"]:  # the suggestions use every GPU, TP within a node of 8
         assert rule["dp"] * rule["pp"] * rule["tp"] == rule["gpus"] and rule["tp"] <= 8

@@ -2,24 +2,32 @@
 --tp 2) and its proof, python 13_capstone/prove_layouts.py.
 
 Every layout, from one process to the 3-D one, takes one process's steps, and three mistakes do
-not (prove_layouts.py); train.py's 3-D run ends on one process's weights and writes the same
-text; a rank killed with SIGKILL stops the run in one line, and run again it resumes bitwise;
-the 3-D checkpoint loads into one process and into another layout; two torchrun nodes keep each
-TP group on one node; a layout that does not fit the model, or the ranks torchrun started, stops
-in one line.
+not, and FSDP gathers each block alone for each of its forwards and frees it after
+(prove_layouts.py); train.py's 3-D run ends on one process's weights and writes the same text;
+a rank killed with SIGKILL stops the run in one line, and run again it resumes bitwise; the 3-D
+checkpoint loads into one process and into another layout; two torchrun nodes keep each TP
+group on one node; a layout that does not fit the model, or the ranks torchrun started, stops
+in one line. In this process, no ranks started: the mesh's groups on 2 nodes of 4 (fake process
+group) and their timeout (a 1-rank gloo world), the blocks each stage keeps, and the default
+--dp for every GPU count from 1 to 16. The GPU tier runs the lesson with no flags too.
 
 Tolerance. In float64 the layouts differ only in the order of their sums (each micro-batch's
 loss, each TP rank's partial sums, FSDP's reduce-scatter): prove_layouts.py measures at most
-3.9e-14 after 2 steps; train.py's runs here (2 epochs of 6 steps, --batch-size 64) end within
+2.2e-14 after 2 steps; train.py's runs here (2 epochs of 6 steps, --batch-size 64) end within
 TOLERANCE = 1e-12 of one process, measured below 1e-13 on this course's 2-core machine. The
 controls end 1.5e-3 to 4.0e-2 away. --batch-size 64 keeps the runs short (6 steps an epoch);
 what is proven does not depend on it."""
 
+import contextlib
+import datetime
+import importlib
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from helpers import (
     GPUS,
@@ -75,6 +83,113 @@ def test_every_layout_takes_one_processs_steps_and_each_mistake_does_not():
     assert done.stdout.count("dp x pp x tp = ") == 9, done.stdout  # 1x1x1 to 2x2x2, and 1F1B
     assert done.stdout.count(" caught") == 3, done.stdout
     assert "compared" not in done.stdout  # every layout compared every weight of the model
+    # What FSDP holds, measured in the same runs: each block gathered just before each of its
+    # forwards, alone, and freed after it (2 x 2 x 2, 2 x 2 x 1, 2 x 1 x 2, 2 x 1 x 1).
+    assert ("FSDP gathered each block alone for each forward and freed it after, on all 4 "
+            "layouts with dp 2: True") in done.stdout, done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The mesh, the stages and the default --dp, in this process: no ranks started
+# ---------------------------------------------------------------------------------------------
+def idea():
+    """13_capstone/parallelize.py, as train.py imports it."""
+    import_lesson(LESSON)  # puts the lesson's folder on sys.path, as running train.py does
+    return importlib.import_module("parallelize")
+
+
+@contextlib.contextmanager
+def as_rank(backend, rank, world_size):
+    """This process as rank `rank` of world_size: "fake" (PyTorch's fake process group: every
+    group is made as that rank makes it, no collective moves data) or a 1-rank gloo world."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    store = FakeStore() if backend == "fake" else dist.HashStore()
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_two_nodes_of_4_each_stage_is_a_node_and_only_the_pipeline_crosses():
+    # dp 2 x pp 2 x tp 2 on 8 ranks, as torchrun numbers 2 nodes of 4: node n has ranks 4n to
+    # 4n + 3. Each rank's groups, as build_mesh makes them, against the definition: rank r sits
+    # at (r // (dp tp), r // tp % dp, r % tp) of the (pp, dp, tp) grid, and its group along a
+    # dimension is the ranks that share its other two coordinates.
+    parallelize = idea()
+    dp, pp, tp, per_node = 2, 2, 2, 4
+
+    def at(r):
+        return {"pp": r // (dp * tp), "dp": r // tp % dp, "tp": r % tp}
+
+    found = {name: set() for name in parallelize.DIMENSIONS}
+    for rank in range(dp * pp * tp):
+        with as_rank("fake", rank, dp * pp * tp):
+            mesh = parallelize.build_mesh("cpu", dp, pp, tp, timeout=60)
+            assert dict(zip(parallelize.DIMENSIONS, mesh.get_coordinate(), strict=True)) == (
+                at(rank))
+            for name in parallelize.DIMENSIONS:
+                group = dist.get_process_group_ranks(mesh[name].get_group())
+                others = [d for d in parallelize.DIMENSIONS if d != name]
+                assert group == [r for r in range(dp * pp * tp)
+                                 if all(at(r)[d] == at(rank)[d] for d in others)], (rank, name)
+                assert mesh[name].get_local_rank() == at(rank)[name]
+                found[name].add(tuple(group))
+    nodes = {name: {tuple(sorted({r // per_node for r in g})) for g in groups}
+             for name, groups in found.items()}
+    assert nodes == {"tp": {(0,), (1,)}, "dp": {(0,), (1,)}, "pp": {(0, 1)}}, found
+    assert sorted(found["pp"]) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+def test_every_group_of_the_mesh_waits_the_timeout_it_is_given():
+    # --timeout bounds a wait in any of the mesh's groups, not only in the world group: gloo's
+    # default for a group made without it is 30 minutes (NCCL's 10).
+    parallelize = idea()
+    with as_rank("gloo", 0, 1):
+        mesh = parallelize.build_mesh("cpu", 1, 1, 1, timeout=7)
+        for name in parallelize.DIMENSIONS:
+            group = mesh[name].get_group()
+            assert group is not dist.group.WORLD
+            assert group._get_backend(torch.device("cpu")).options._timeout == (
+                datetime.timedelta(seconds=7)), name
+
+
+def test_each_stage_keeps_consecutive_blocks_in_the_models_order():
+    lesson, parallelize = import_lesson(LESSON), idea()
+    for layers in (4, 8):
+        for stages in (1, 2, 4):
+            kept = [parallelize.keep_stage(lesson.TinyGPT(16, layers=layers), stage, stages)
+                    for stage in range(stages)]
+            # the stages' blocks, one after another, are the model's, each block once, in order
+            assert [name for stage in kept for name in stage.blocks] == [
+                str(i) for i in range(layers)]
+            assert {len(stage.blocks) for stage in kept} == {layers // stages}
+            assert [stage.tokens is not None for stage in kept] == [True] + [False] * (
+                stages - 1)
+            assert [stage.head is not None for stage in kept] == [False] * (stages - 1) + [True]
+
+
+@pytest.mark.parametrize("batch_size", [16, 12])
+def test_without_dp_the_gpus_hold_the_most_pipelines_the_batch_splits_over(monkeypatch, capsys,
+                                                                          batch_size):
+    # For every GPU count from 1 to 16: --dp by default is the largest d <= GPUs // (pp x tp)
+    # for which d x micro-batches divides --batch-size, with one note when GPUs stay idle; too
+    # few GPUs for one pipeline, 2 pipelines on the CPU.
+    lesson = import_lesson(LESSON)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for gpus in range(1, 17):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        args = lesson.parse_args(["--batch-size", str(batch_size)])
+        lesson.check_layout(args)  # guard_rails.py's; a layout it refuses raises SystemExit
+        per_pipeline, m = args.pp * args.tp, args.microbatches
+        fits = [d for d in range(1, gpus // per_pipeline + 1) if batch_size % (d * m) == 0]
+        assert args.dp == (max(fits) if gpus >= per_pipeline else 2), gpus
+        printed = capsys.readouterr().out
+        idle = gpus - args.dp * per_pipeline if gpus >= per_pipeline else 0
+        assert (printed.count("note:"), f"{idle} stay" in printed) == (
+            (1, True) if idle else (0, False)), (gpus, printed)
 
 
 def test_the_3d_run_ends_on_one_processs_weights_and_writes_the_same_text(runs):
@@ -147,8 +262,8 @@ def test_two_torchrun_nodes_keep_each_tp_group_on_one_node(runs, tmp_path):
     (["--pp", "3"], "--layers 4 do not split evenly over --pp 3 stages"),
     (["--seq-len", "63"], "--seq-len 63 does not split over --tp 2"),
     (["--dim", "30"], "--heads 4 does not divide --dim 30"),
-    (["--batch-size", "6"], "--batch-size 6, the global batch, does not split over --dp 2 x "
-                            "--microbatches 2"),
+    (["--dp", "2", "--batch-size", "6"], "--batch-size 6, the global batch, does not split "
+                                         "over --dp 2 x --microbatches 2"),
     (["--schedule", "1f1b", "--microbatches", "1"], "--schedule 1f1b needs at least one "
                                                     "micro-batch per stage")])
 def test_a_layout_that_does_not_fit_the_model_stops_in_one_line(flags, says, tmp_path):
@@ -185,6 +300,30 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason=f"needs 2+ GPUs; this machine ha
 # float64 on a GPU adds in cuBLAS's order, not the CPU's: about 1e-15 a step, which Adam carries
 # through 2 epochs; far below what one wrong shard moves (1e-3 and more).
 GPU_TOLERANCE = 1e-8
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_default_run_takes_the_pipelines_the_gpus_hold(lesson_run):
+    # No flags, as a learner first runs it (--pp 2 --tp 2, --batch-size 16 in 2 micro-batches):
+    # fewer than 4 GPUs hold no pipeline, so 2 of them, 8 ranks, train on the CPU with gloo;
+    # else one NCCL rank a GPU, --dp the most pipelines whose dp x 2 divides 16, a note naming
+    # the GPUs left idle.
+    result, out_dir = lesson_run(LESSON)
+    check_ok(result)
+    metrics = read_metrics(out_dir)
+    if GPUS < 4:
+        assert f"note: 8 ranks but {GPUS} GPU(s)" in result.stdout
+        expected = (2, 8, "gloo", "cpu")
+    else:
+        dp = max(d for d in range(1, GPUS // 4 + 1) if 16 % (2 * d) == 0)
+        idle = GPUS - 4 * dp
+        assert (f"{idle} stay" in result.stdout) == (idle > 0), result.stdout
+        expected = (dp, 4 * dp, "nccl", "cuda")
+    assert (metrics["dp"], metrics["world_size"], metrics["backend"], metrics["device"]) == (
+        expected)
+    assert metrics["train_loss"][-1] < metrics["train_loss"][0]
+    assert_final_pt_holds_cpu_tensors(out_dir)
 
 
 @needs_gpu
