@@ -149,6 +149,14 @@ CASES = [
          "the choices the capacity limit drops were run too", "12-dropped-choices-run"),
     Case("12", "12_expert_parallel", (("y * weight[:, None]", "y * weight.detach()[:, None]"),),
          "the router learns through the weights", "12-weights-detached"),
+    # Top-1 right, top-2 not, and both results added: the top-2 weights as softmax gave them.
+    Case("12", "12_expert_parallel",
+         (("weights = weights / weights.sum(dim=-1, keepdim=True)", "weights = weights"),),
+         "top-2 weights were not rescaled to sum to 1", "12-top-k-weights-not-rescaled"),
+    # Off the checker's list: each result times its weight squared, no choice's weight. The
+    # checker says what differs and where to look, and names no cause.
+    Case("12", "12_expert_parallel", (("y * weight[:, None]", "y * weight[:, None] ** 2"),),
+         "no mistake on the checker's list gives that weight", "12-off-the-list-weights-squared"),
     # Exercise 12 on 2 and 4 ranks, one process right: only a rank that receives rows from
     # several ranks for several experts has rows to group by expert, and to put back.
     from_mutant("12", "12-results-sent-back-in-the-wrong-order",

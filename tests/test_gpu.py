@@ -20,6 +20,7 @@ from helpers import (
     assert_final_pt_holds_cpu_tensors,
     assert_good_run,
     assert_one_line_error,
+    check_ok,
     evaluate_single_process,
     free_port,
     max_weight_difference,
@@ -96,6 +97,26 @@ def test_lesson05_default_follows_the_plan_for_this_gpu_count(lesson_run):
     else:
         assert "note:" not in result.stdout
     assert evaluate_single_process(out_dir) == (metrics["test_correct"], 36)
+    assert_final_pt_holds_cpu_tensors(out_dir)
+
+
+# Lessons 09 and 10 make groups of 2 ranks by default (a TP group, a pipeline of 2 stages), as
+# many as the GPUs hold (--dp = GPUs // 2); with one GPU, one group of 2 ranks on the CPU, and a
+# note. Lesson 08's default is tested beside its CPU tests, 11 to 13's beside theirs.
+@pytest.mark.parametrize("lesson", ["09_tensor_parallel", "10_pipeline_parallel"])
+def test_default_groups_of_two_fill_the_gpus(lesson_run, lesson):
+    result, out_dir = lesson_run(lesson)
+    world_size = 2 * max(1, GPUS // 2)
+    check_ok(result)
+    metrics = read_metrics(out_dir)
+    assert (metrics["world_size"], metrics["test_total"]) == (world_size, 36)
+    assert metrics["test_accuracy"] >= 0.9, metrics
+    if GPUS == 1:
+        assert "note: 2 ranks but 1 GPU(s)" in result.stdout
+        assert (metrics["backend"], metrics["device"]) == ("gloo", "cpu")
+    else:
+        assert (metrics["backend"], metrics["device"]) == ("nccl", "cuda")
+        assert f"starting {world_size} ranks (nccl)" in result.stdout
     assert_final_pt_holds_cpu_tensors(out_dir)
 
 

@@ -321,9 +321,9 @@ MUTANTS = [
     Mutant(
         id="07-unfinished-save-loaded",
         file="07_sharding/train.py",
-        find='"epoch_*", ".metadata")',
+        find='"epoch_*", "checksums.json")',
         replace='"epoch_*", "progress.json")',
-        claim="A save cut short, without .metadata, is never loaded.",
+        claim="A save cut short, without its checksums.json, is never loaded.",
         readme="07_sharding/README.md#the-sharded-checkpoint",
         tests=("tests/test_07_sharding.py::"
                "test_a_crash_and_a_resume_end_bitwise_equal_to_a_run_that_never_crashed",),
@@ -348,6 +348,18 @@ MUTANTS = [
         readme="07_sharding/README.md#the-sharded-checkpoint",
         tests=("tests/test_07_sharding.py::"
                "test_every_strategy_learns_and_writes_lesson_01s_weights[fsdp]",),
+    ),
+    Mutant(
+        id="07-checksums-not-checked",
+        file="07_sharding/guard_rails.py",
+        find="    check_checksums(path)  # every file whole, as its save wrote it, before any is "
+             "read",
+        replace="    pass",
+        claim="A shard with other bytes of its size is refused by its checksum, not loaded.",
+        readme="07_sharding/README.md#the-sharded-checkpoint",
+        tests=("tests/test_07_sharding.py::"
+               "test_a_shard_with_other_bytes_of_its_size_is_refused_by_its_checksum",),
+        kind="refactor",
     ),
     # --- lesson 08: DDP from scratch ---
     Mutant(
@@ -499,8 +511,9 @@ MUTANTS = [
         replace="(out + block_out) / 2",
         claim="Blocks of attention combine by their log-sum-exp: exactly the softmax over both.",
         readme="11_context_parallel/README.md#ring-attention",
-        tests=("tests/test_11_context_parallel.py::"
-               "test_ring_and_all_gather_attention_equal_full_attention",),
+        tests=("tests/test_11_context_parallel.py::test_merge_is_the_softmax_over_both_blocks_keys",
+               "tests/test_11_context_parallel.py::"
+               "test_ring_and_all_gather_attention_equal_full_attention"),
     ),
     Mutant(
         id="11-later-chunks-not-masked",
@@ -532,6 +545,72 @@ MUTANTS = [
         readme="11_context_parallel/README.md#who-holds-which-tokens",
         tests=("tests/test_11_context_parallel.py::"
                "test_every_layout_takes_the_steps_of_one_process[cp2]",),
+    ),
+    Mutant(
+        id="11-own-chunk-skipped",
+        file="11_context_parallel/ring_attention.py",
+        find="    if k_chunk > q_chunk:\n        return None",
+        replace="    if k_chunk >= q_chunk:\n        return None",
+        claim="A rank computes the blocks the causal mask leaves it (keys not after its queries).",
+        readme="11_context_parallel/README.md#who-holds-which-tokens",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_the_balanced_layout_gives_every_rank_the_same_blocks",),
+    ),
+    Mutant(
+        id="11-chunks-r-and-n-plus-r",
+        file="11_context_parallel/ring_attention.py",
+        find="return [rank, 2 * cp - 1 - rank] if balanced",
+        replace="return [rank, cp + rank] if balanced",
+        claim="Rank r holds chunks r and 2N - 1 - r, so that every rank has the same work.",
+        readme="11_context_parallel/README.md#who-holds-which-tokens",
+        tests=("tests/test_11_context_parallel.py::test_rank_r_holds_chunks_r_and_2n_minus_1_minus_r",
+               "tests/test_11_context_parallel.py::"
+               "test_the_balanced_layout_gives_every_rank_the_same_blocks"),
+    ),
+    Mutant(
+        id="11-ring-waits-before-it-attends",
+        file="11_context_parallel/ring_attention.py",
+        find="attends to them\n                next_kv = ring_pass(kv, group)\n",
+        replace="attends to them\n                next_kv = ring_pass(kv, group)\n"
+                "                next_kv()\n",
+        claim="The ring attends to the block it holds while the next one travels.",
+        readme="11_context_parallel/README.md#ring-attention",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_ring_and_all_gather_attention_equal_full_attention",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="11-sent-blocks-kept-until-the-next-pass",
+        file="11_context_parallel/ring_attention.py",
+        find="        while works:  # the sends too; each let go once done, and with it the "
+             "block it sent\n            works.pop().wait()",
+        replace="        for work in works:\n            work.wait()",
+        claim="In forward a rank holds two of the others' blocks: the one it uses, and the next.",
+        readme="11_context_parallel/README.md#ring-attention",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_ring_and_all_gather_attention_equal_full_attention",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="11-a-batch-with-no-step-let-through",
+        file="11_context_parallel/guard_rails.py",
+        find="    if train // args.dp < args.batch_size // args.dp:",
+        replace="    if False:",
+        claim="A --batch-size that leaves a group no step stops in one line, before any rank.",
+        readme="11_context_parallel/README.md#the-data-and-the-global-batch",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_a_flag_that_cannot_work_stops_in_one_line[batch500]",),
+    ),
+    Mutant(
+        id="11-dp-from-the-gpus-alone",
+        file="11_context_parallel/guard_rails.py",
+        find="if args.batch_size % d == 0),",
+        replace="),",
+        claim="Without --dp, the most CP groups of GPUs that --batch-size splits over.",
+        readme="11_context_parallel/README.md#the-checkpoint-and-torchrun",
+        tests=("tests/test_11_context_parallel.py::"
+               "test_without_dp_the_most_cp_groups_of_gpus_that_the_batch_splits_over",),
+        kind="refactor",
     ),
     # --- lesson 12: expert parallelism ---
     Mutant(
@@ -595,6 +674,79 @@ MUTANTS = [
         tests=("tests/test_12_expert_parallel.py::"
                "test_every_layout_takes_the_steps_of_one_process[dp2ep2]",),
     ),
+    Mutant(
+        id="12-top-k-weights-not-rescaled",
+        file="12_expert_parallel/experts.py",
+        find="        weights = weights / weights.sum(dim=-1, keepdim=True)",
+        replace="        pass",
+        claim="With k > 1 a token's weights are its chosen experts' probabilities, rescaled to "
+              "sum to 1.",
+        readme="12_expert_parallel/README.md#the-mixture-of-experts",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_routers_weights_are_its_top_k_probabilities_rescaled_to_sum_to_1",),
+    ),
+    Mutant(
+        id="12-top-1-weight-set-to-1",
+        file="12_expert_parallel/experts.py",
+        find="    if top_k > 1:",
+        replace="    if top_k >= 1:",
+        claim="With k = 1 a token's weight is the router's probability itself, so the loss "
+              "reaches the router.",
+        readme="12_expert_parallel/README.md#the-mixture-of-experts",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_routers_weights_are_its_top_k_probabilities_rescaled_to_sum_to_1",),
+    ),
+    Mutant(
+        id="12-balance-loss-counts-first-choices-only",
+        file="12_expert_parallel/experts.py",
+        find="F.one_hot(chosen, experts).to(probs.dtype)",
+        replace="F.one_hot(chosen[..., :1], experts).to(probs.dtype)",
+        claim="The balance loss is experts x the sum over experts of (its share of the "
+              "sequence's choices) x (its mean probability).",
+        readme="12_expert_parallel/README.md#load-capacity-and-balance",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_balance_loss_is_the_switch_transformers_per_sequence",),
+    ),
+    Mutant(
+        id="12-balance-loss-without-the-experts-factor",
+        file="12_expert_parallel/experts.py",
+        find="    return experts * (share * probs.mean(dim=1)).sum()",
+        replace="    return (share * probs.mean(dim=1)).sum()",
+        claim="The balance loss is 1 when every expert gets its share of the choices.",
+        readme="12_expert_parallel/README.md#load-capacity-and-balance",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_balance_loss_is_the_switch_transformers_per_sequence",),
+    ),
+    Mutant(
+        id="12-capacity-one-short",
+        file="12_expert_parallel/experts.py",
+        find="    return (place <= capacity).view_as(chosen)",
+        replace="    return (place < capacity).view_as(chosen)",
+        claim="An expert takes the first capacity of its choices in each sequence, "
+              "ceil(F x tokens x k / experts).",
+        readme="12_expert_parallel/README.md#load-capacity-and-balance",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_an_expert_takes_the_first_capacity_of_its_choices_in_each_sequence",),
+    ),
+    Mutant(
+        id="12-load-counts-the-dropped-choices",
+        file="12_expert_parallel/experts.py",
+        find="        self.load = counts.detach()",
+        replace="        self.load = torch.bincount(chosen.flatten(), minlength=self.num_experts)",
+        claim="The load recorded is the rows each expert got, the choices it took.",
+        readme="12_expert_parallel/README.md#load-capacity-and-balance",
+        tests=("tests/test_12_expert_parallel.py::test_each_experts_load_is_the_rows_it_ran",),
+    ),
+    Mutant(
+        id="12-busiest-rank-is-its-busiest-expert",
+        file="12_expert_parallel/train.py",
+        find="    per_rank = per_expert.view(len(per_expert), args.ep, -1).sum(dim=2)",
+        replace="    per_rank = per_expert",
+        claim="Each epoch's line names the busiest rank: the rows of its experts together.",
+        readme="12_expert_parallel/README.md#load-capacity-and-balance",
+        tests=("tests/test_12_expert_parallel.py::"
+               "test_the_load_line_names_the_busiest_expert_and_the_busiest_rank",),
+    ),
     # --- lesson 13: FSDP x TP x PP on one mesh ---
     Mutant(
         id="13-clipped-by-each-stages-norm",
@@ -630,7 +782,62 @@ MUTANTS = [
         replace="        if int(name) % stages != stage:",
         claim="Each stage keeps consecutive blocks, in the model's order.",
         readme="13_capstone/README.md#composing-the-pieces",
+        tests=("tests/test_13_capstone.py::"
+               "test_each_stage_keeps_consecutive_blocks_in_the_models_order",),
+    ),
+    Mutant(
+        id="13-fsdp-blocks-kept-gathered",
+        file="13_capstone/parallelize.py",
+        find="        fully_shard(block, mesh=dp_mesh)\n",
+        replace="        fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)\n",
+        claim="FSDP gathers each block just before each of its forwards, alone, and frees it "
+              "after.",
+        readme="13_capstone/README.md#equal-to-one-process",
         tests=(PROVE_13,),
+        kind="refactor",
+    ),
+    Mutant(
+        id="13-fsdp-blocks-one-unit",
+        file="13_capstone/parallelize.py",
+        find="        fully_shard(block, mesh=dp_mesh)\n",
+        replace="        pass\n",
+        claim="FSDP gathers each block just before each of its forwards, alone, and frees it "
+              "after.",
+        readme="13_capstone/README.md#equal-to-one-process",
+        tests=(PROVE_13,),
+    ),
+    Mutant(
+        id="13-mesh-dp-outermost",
+        file="13_capstone/parallelize.py",
+        find='DIMENSIONS = ("pp", "dp", "tp")',
+        replace='DIMENSIONS = ("dp", "pp", "tp")',
+        claim="On 2 nodes of 4 GPUs each stage of 2 x 2 x 2 is one node: only the pipeline "
+              "crosses between nodes.",
+        readme="13_capstone/README.md#the-mesh",
+        tests=("tests/test_13_capstone.py::"
+               "test_on_two_nodes_of_4_each_stage_is_a_node_and_only_the_pipeline_crosses",),
+    ),
+    Mutant(
+        id="13-mesh-groups-without-the-timeout",
+        file="13_capstone/parallelize.py",
+        find="dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))",
+        replace="dist.new_group(line.tolist())",
+        claim="Each group of the mesh waits --timeout for a rank that stalls.",
+        readme="13_capstone/README.md#the-mesh",
+        tests=("tests/test_13_capstone.py::"
+               "test_every_group_of_the_mesh_waits_the_timeout_it_is_given",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="13-default-dp-ignores-the-batch",
+        file="13_capstone/guard_rails.py",
+        find="                       if args.batch_size % (d * args.microbatches) == 0), "
+             "default=1)",
+        replace="                       if True), default=1)",
+        claim="Without --dp, the GPUs hold the most pipelines that --batch-size splits over.",
+        readme="13_capstone/README.md#the-checkpoint-restarts-and-two-nodes",
+        tests=("tests/test_13_capstone.py::"
+               "test_without_dp_the_gpus_hold_the_most_pipelines_the_batch_splits_over",),
     ),
     Mutant(
         id="13-schedule-scales-the-gradients",
