@@ -171,18 +171,25 @@ def load_weights(out_dir, name="final.pt"):
 
 def import_lesson(lesson):
     """Import a lesson's train.py as a module (tests may share; lessons may not)."""
-    # train.py imports guard_rails.py from its own folder, as it does when a learner runs it.
-    if str(ROOT / lesson) not in sys.path:
-        sys.path.insert(0, str(ROOT / lesson))
+    # train.py imports guard_rails.py, model.py, data.py and its own modules from its folder, as
+    # when a learner runs it. Every lesson has files of those names, each its own: the ones a
+    # lesson imported before in this process are forgotten, and its folder goes first.
+    folder = str(ROOT / lesson)
+    for path in (ROOT / lesson).glob("*.py"):
+        sys.modules.pop(path.stem, None)
+    if folder in sys.path:
+        sys.path.remove(folder)
+    sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(f"lesson_{lesson}", ROOT / lesson / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def import_guard_rails():
-    """guard_rails.py, the same file beside every lesson's train.py (tests/test_repo.py)."""
-    import_lesson("02_multi_gpu_spawn")
+def import_guard_rails(lesson="02_multi_gpu_spawn"):
+    """The guard_rails.py beside lesson's train.py: each lesson's holds what its files use
+    (tools/make_guard_rails.py)."""
+    import_lesson(lesson)
     return sys.modules["guard_rails"]
 
 

@@ -39,6 +39,7 @@ applied in every rank, not only in the launching process.
 
 import contextlib
 import importlib.util
+import inspect
 import io
 import os
 import signal
@@ -226,5 +227,11 @@ else:
 
 if __name__ == "__main__":
     # sys.argv stays as it is: spawn hands it to the ranks, which need the patch's name.
-    entry = getattr(lesson, "launch", None) or lesson.main
-    entry(lesson.parse_args(sys.argv[3:]))
+    args = lesson.parse_args(sys.argv[3:])
+    launch = getattr(lesson, "launch", None)
+    if launch is None:
+        lesson.main(args)
+    elif len(inspect.signature(launch).parameters) == 2:  # launch(main, args): main on each rank
+        launch(lesson.main, args)
+    else:
+        launch(args)

@@ -165,7 +165,7 @@ def test_trainer_calls_set_epoch_every_epoch(tmp_path):
         model = lesson.DDP(lesson.WineMLP())
         optimizer = torch.optim.Adam(model.parameters())
         trainer = lesson.Trainer(model, loader, test_set, optimizer, torch.device("cpu"),
-                                 100, str(tmp_path), 0, 1)
+                                 100, str(tmp_path))
         for epoch in range(3):
             trainer.train_epoch(epoch)
         assert calls == [0, 1, 2]

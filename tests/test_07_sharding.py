@@ -417,7 +417,7 @@ def test_a_checkpoint_with_a_shard_missing_or_cut_short_is_refused_in_one_line(l
     shutil.copytree(zero1 / "checkpoint" / "epoch_0020", tmp_path / "checkpoint" / "epoch_0010")
     args = import_lesson(LESSON).parse_args(["--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit) as stop:
-        import_guard_rails().check_checkpoint(str(folder), args)
+        import_guard_rails(LESSON).check_checkpoint(str(folder), args)
     assert str(stop.value.code).startswith(
         f"error: {folder} is damaged: its file __0_0.distcp is cut short (1000 of its ")
     assert f"delete {folder} to resume from {tmp_path / 'checkpoint' / 'epoch_0010'}" in str(
@@ -442,7 +442,7 @@ def test_a_shard_with_other_bytes_of_its_size_is_refused_by_its_checksum(lesson_
     data[len(data) // 2] ^= 1  # the same size, one bit other
     shard.write_bytes(data)
     args = import_lesson(LESSON).parse_args(["--out-dir", str(tmp_path)])
-    guard_rails = import_guard_rails()
+    guard_rails = import_guard_rails(LESSON)
     with pytest.raises(SystemExit) as stop:
         guard_rails.check_checkpoint(str(folder), args)
     assert stop.value.code == (

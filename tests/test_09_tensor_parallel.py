@@ -167,7 +167,7 @@ def test_the_checkpoint_loads_into_another_tp_and_trains_on(lesson_run, restarte
     lesson = import_lesson(LESSON)
     checkpoint = lesson.latest_checkpoint(tmp_path / "checkpoint")
     with pytest.raises(SystemExit) as stop:
-        import_guard_rails().check_checkpoint(
+        import_guard_rails(LESSON).check_checkpoint(
             checkpoint, lesson.parse_args(["--layers", "3", "--epochs", "21"]))
     assert "holds a model with --layers 1, not 3" in stop.value.code
 
@@ -179,7 +179,7 @@ def test_a_tp_that_does_not_divide_the_model_gets_one_line(tmp_path):
     result = run_lesson(LESSON, *CPU, "--tp", 3, "--out-dir", tmp_path)
     assert_one_line_error(result, "--tp 3 does not divide --hidden 64")
     assert "starting" not in result.stdout
-    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails(LESSON)
     with pytest.raises(SystemExit) as stop:
         guard_rails.check_tensor_parallel(lesson.parse_args(["--layers", "2"]))
     assert stop.value.code.startswith("error: --layers 2 makes 3 linear layers")
@@ -202,7 +202,7 @@ def test_the_gloo_fallback_note_is_printed_once_not_once_per_rank(lesson, monkey
 
 
 def test_under_torchrun_dp_is_its_ranks_over_tp_or_one_line(monkeypatch):
-    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails(LESSON)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     args = lesson.parse_args(["--tp", "2"])
     args.world_size = 8  # torchrun's WORLD_SIZE
@@ -217,7 +217,7 @@ def test_under_torchrun_dp_is_its_ranks_over_tp_or_one_line(monkeypatch):
 
 def test_a_tp_group_across_nodes_is_named_once_by_rank_0(monkeypatch, capsys):
     # torchrun numbers each node's ranks in turn; TP group d is ranks d*tp .. d*tp + tp - 1.
-    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails(LESSON)
     for tp, dp, per_node, group in [(4, 3, 6, "[4, 5, 6, 7] spans nodes 0 to 1"),
                                     (2, 3, 3, "[2, 3] spans nodes 0 to 1"), (2, 4, 4, None)]:
         guard_rails.note_groups_across_nodes(tp, dp, per_node)

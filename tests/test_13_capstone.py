@@ -273,7 +273,7 @@ def test_a_layout_that_does_not_fit_the_model_stops_in_one_line(flags, says, tmp
 
 
 def test_under_torchrun_dp_is_its_ranks_over_pp_x_tp_or_one_line(monkeypatch):
-    lesson, guard_rails = import_lesson(LESSON), import_guard_rails()
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails(LESSON)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     args = lesson.parse_args([])
     args.world_size = 16  # torchrun's WORLD_SIZE
