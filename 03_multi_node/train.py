@@ -21,178 +21,25 @@ import argparse
 import datetime
 import json
 import os
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from guard_rails import check_args, check_nodes, fail, node_guard, rank_table, spawn_guard, start
+import guard_rails
+from data import load_data
+from model import WineMLP
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup helpers
-# ---------------------------------------------------------------------------------------------
-def global_rank(node_rank, nproc_per_node, local_rank):
-    """Node 0 holds global ranks 0 .. nproc_per_node - 1, node 1 the next nproc_per_node, and
-    so on. Every node must run the same number of processes for this to give each rank once."""
-    return node_rank * nproc_per_node + local_rank
-
-
-def choose_backend(requested, nproc_per_node):
-    """NCCL when every process on this node can have its own GPU, else gloo on the CPU."""
-    gpus = torch.cuda.device_count()
-    if requested == "nccl":
-        if gpus == 0 or not dist.is_nccl_available():
-            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-        if nproc_per_node > gpus:
-            fail(f"--nproc-per-node {nproc_per_node} with NCCL needs as many GPUs on each node, "
-                 f"but {gpus} visible; use --nproc-per-node {gpus} or --backend gloo")
-        return "nccl"
-    if requested == "auto" and 0 < nproc_per_node <= gpus and dist.is_nccl_available():
-        return "nccl"
-    if requested == "auto" and gpus > 0:
-        print(f"note: {nproc_per_node} processes per node but {gpus} GPU(s); NCCL needs one each, "
-              "so the ranks train on the CPU with gloo")
-    return "gloo"
-
-
-def find_free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
-        return sock.getsockname()[1]
-
-
-def start_ranks(fn, args, nprocs):
-    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
-    scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
-    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
-        return mp.spawn(fn, args=args, nprocs=nprocs)
-    # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
-                               "sklearn.model_selection", "sklearn.preprocessing"])
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def setup_process_group(rank, local_rank, world_size, nproc_per_node, backend, timeout):
-    """Join the group of world_size processes; return this rank's device."""
-    if backend == "nccl":
-        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
-        torch.cuda.set_device(local_rank)  # each node numbers its GPUs from 0
-        device = torch.device("cuda", local_rank)
-    else:
-        # The ranks share the cores: each gets its share of threads, or they fight over them.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, cores // nproc_per_node))
-        device = torch.device("cpu")
-    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if backend == "nccl" else None)
-    return device
-
-
-def cpu_state_dict(model):
-    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
-    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-
-
-def save_atomically(obj, path):
-    # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of the write leaves the previous file intact instead of a half-written one.
-    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
-
-    tmp_path = f"{path}.tmp"
-    with save_or_fail(path, tmp_path):
-        with open(tmp_path, "wb") as f:
-            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
-                f.write(json.dumps(obj, indent=2).encode())
-            else:
-                torch.save(obj, f)
-        os.replace(tmp_path, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
-class WineDataset(Dataset):
-    def __init__(self, features, labels):
-        self.features = torch.as_tensor(features, dtype=torch.float32)
-        self.labels = torch.as_tensor(labels, dtype=torch.long)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.features[index], self.labels[index]
-
-
-def load_data():
-    """The same 142 training and 36 test wines in every lesson."""
-    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
-    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
-    from sklearn.datasets import load_wine
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    features, labels = load_wine(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        features, labels, test_size=0.2, random_state=42, stratify=labels
-    )
-    # Fit the scaler on the training part only: the test wines must not leak into training.
-    scaler = StandardScaler().fit(x_train)
-    return (
-        WineDataset(scaler.transform(x_train), y_train),
-        WineDataset(scaler.transform(x_test), y_test),
-    )
-
-
-def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
-    # run the same number of steps (one step fewer would leave the others waiting forever).
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-class WineMLP(nn.Module):
-    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
-    checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
-
-    def __init__(self, in_features=13, hidden=64, classes=3):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden)
-        self.fc2 = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-def build_model(args, device):
-    """The wine MLP, on this rank's device, in DDP."""
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP().to(device)
-    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainer
+# The lesson: the training step, and how the data and the model come in
 # ---------------------------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 rank, world_size):
+    def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir):
         self.model = model
         self.train_loader = train_loader
         self.test_set = test_set
@@ -200,9 +47,8 @@ class Trainer:
         self.device = device
         self.save_every = save_every
         self.out_dir = out_dir
-        self.rank = rank
-        self.world_size = world_size
-        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
+        self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
 
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
@@ -258,6 +104,31 @@ class Trainer:
         return losses
 
 
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def build_model(args, device):
+    """The wine MLP, on this rank's device, in DDP."""
+    # Seed before building the model so the initial weights are the same on every run.
+    torch.manual_seed(args.seed)
+    model = WineMLP().to(device)
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
+
+
+def print_rank_table(ranks, args):
+    """Rank 0 shows every rank's global rank worked out from its node and local rank."""
+    print(f"rank = node_rank * {args.nproc_per_node} + local_rank:", flush=True)
+    for entry in ranks:
+        print(f"  rank {entry['rank']} = {entry['node_rank']} * {args.nproc_per_node} + "
+              f"{entry['local_rank']}  (host {entry['host']})", flush=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +136,7 @@ def main(rank, local_rank, args):
     start = args.start_time  # set by launch, before the ranks were started
     device = setup_process_group(rank, local_rank, args.world_size, args.nproc_per_node,
                                  args.backend, args.timeout)
-    ranks = rank_table(rank, local_rank, args)  # every rank's numbers, gathered: guard_rails.py
+    ranks = guard_rails.rank_table(rank, local_rank, args)  # every rank's numbers, gathered
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
 
@@ -273,7 +144,7 @@ def main(rank, local_rank, args):
     model = build_model(args, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, rank, args.world_size)
+                      args.out_dir)
     if trainer.is_main_process:
         print_rank_table(ranks, args)
         print(f"training on {args.world_size} x {device.type} ({args.backend}): "
@@ -288,7 +159,6 @@ def main(rank, local_rank, args):
             print(f"node {args.node_rank} done: test accuracy {correct}/{total} (rank 0 writes "
                   "the results)", flush=True)
         return  # every rank holds the same results; rank 0 alone writes them
-
     save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
     results = {"train_loss": losses, "test_correct": correct, "test_total": total,
                "test_accuracy": correct / total, "train_seconds": train_seconds,
@@ -299,12 +169,108 @@ def main(rank, local_rank, args):
           f"| results in {args.out_dir}", flush=True)
 
 
-def print_rank_table(ranks, args):
-    """Rank 0 shows every rank's global rank worked out from its node and local rank."""
-    print(f"rank = node_rank * {args.nproc_per_node} + local_rank:", flush=True)
-    for entry in ranks:
-        print(f"  rank {entry['rank']} = {entry['node_rank']} * {args.nproc_per_node} + "
-              f"{entry['local_rank']}  (host {entry['host']})", flush=True)
+# =============================================================================================
+# Plumbing: how the lesson starts, saves and reads its flags. Every lesson ends with it, and only
+# the lesson that teaches a piece of it changes that piece: read it once, skip it after.
+# =============================================================================================
+def choose_backend(requested, nproc_per_node):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+    guard_rails.check_backend(requested, nproc_per_node, "--nproc-per-node")  # this node's GPUs
+    if requested == "nccl" or (requested == "auto" and dist.is_nccl_available()
+                               and 0 < nproc_per_node <= torch.cuda.device_count()):
+        return "nccl"
+    return "gloo"
+
+
+def setup_process_group(rank, local_rank, world_size, nproc_per_node, backend, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    if backend == "nccl":
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
+        torch.cuda.set_device(local_rank)  # each node numbers its GPUs from 0
+        device = torch.device("cuda", local_rank)
+    else:
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // nproc_per_node))  # the cores of this node
+        device = torch.device("cpu")
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def global_rank(node_rank, nproc_per_node, local_rank):
+    """Node 0 holds global ranks 0 .. nproc_per_node - 1, node 1 the next nproc_per_node, and
+    so on. Every node must run the same number of processes for this to give each rank once."""
+    return node_rank * nproc_per_node + local_rank
+
+
+def worker(local_rank, main, args):
+    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
+    rank = global_rank(args.node_rank, args.nproc_per_node, local_rank)
+    with guard_rails.node_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, local_rank, args)
+        dist.destroy_process_group()
+
+
+def run_under_torchrun(main, args):
+    """torchrun started this process and told it, in its environment, who it is: be that one."""
+    # torchrun's names: LOCAL_WORLD_SIZE is nproc_per_node, GROUP_RANK the node rank.
+    args.nproc_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    args.world_size = int(os.environ["WORLD_SIZE"])
+    args.nnodes = args.world_size // args.nproc_per_node
+    args.node_rank = int(os.environ["GROUP_RANK"])
+    args.backend = choose_backend(args.backend, args.nproc_per_node)
+    args.launcher = "torchrun"
+    guard_rails.check_nodes(args)  # node flags belong to torchrun; its RANK must be the formula's
+    worker(int(os.environ["LOCAL_RANK"]), main, args)
+
+
+def launch(main, args):
+    """Find rank 0, then start this node's processes; under torchrun, be the one it started."""
+    args.start_time = time.time()
+    if guard_rails.started_by_torchrun():
+        return run_under_torchrun(main, args)
+    args.launcher = "spawn"
+    args.world_size = args.nnodes * args.nproc_per_node
+    args.backend = choose_backend(args.backend, args.nproc_per_node)
+    # One node takes any free port, as in lesson 02; several must all be told the same: 29500.
+    os.environ["MASTER_ADDR"] = args.master_addr
+    os.environ["MASTER_PORT"] = str(args.master_port or (
+        guard_rails.find_free_port() if args.nnodes == 1 else 29500))
+    guard_rails.check_nodes(args)  # rank 0's address and port, before spawning
+    print(f"node {args.node_rank} of {args.nnodes}: starting {args.nproc_per_node} of "
+          f"{args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # mp.spawn(worker, args=(main, args), nprocs=args.nproc_per_node): local ranks 0 .. N - 1,
+    # each forked from a server that has imported torch and these once (lesson 02's README).
+    # If one fails, spawn stops the others here; the other nodes' ranks lose it, and stop.
+    preload = ["torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+               "sklearn.preprocessing"]
+    with guard_rails.spawn_guard("local rank"):
+        guard_rails.start_ranks(worker, (main, args), args.nproc_per_node, preload,
+                                check_port=False)  # check_nodes has checked it
+
+
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
 
 
 def describe_run(args, device, ranks):
@@ -324,50 +290,6 @@ def describe_run(args, device, ranks):
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
     }
-
-
-def worker(local_rank, args):
-    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
-    rank = global_rank(args.node_rank, args.nproc_per_node, local_rank)
-    with node_guard(rank, args):  # a failure becomes one line: guard_rails.py
-        main(rank, local_rank, args)
-        dist.destroy_process_group()
-
-
-def run_under_torchrun(args):
-    """torchrun started this process and told it, in its environment, who it is: be that one."""
-    # torchrun's names: LOCAL_WORLD_SIZE is nproc_per_node, GROUP_RANK the node rank.
-    args.nproc_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
-    args.world_size = int(os.environ["WORLD_SIZE"])
-    args.nnodes = args.world_size // args.nproc_per_node
-    args.node_rank = int(os.environ["GROUP_RANK"])
-    args.backend = choose_backend(args.backend, args.nproc_per_node)
-    args.launcher = "torchrun"
-    check_nodes(args)  # node flags belong to torchrun's command line: guard_rails.py
-    worker(int(os.environ["LOCAL_RANK"]), args)
-
-
-def launch(args):
-    """Find rank 0, then start this node's processes; under torchrun, be the one it started."""
-    args.start_time = time.time()
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun sets it in every process it starts
-        return run_under_torchrun(args)
-    args.launcher = "spawn"
-    args.world_size = args.nnodes * args.nproc_per_node
-    args.backend = choose_backend(args.backend, args.nproc_per_node)
-    # One node takes any free port, as in lesson 02; several must all be told the same: 29500.
-    os.environ["MASTER_ADDR"] = args.master_addr
-    os.environ["MASTER_PORT"] = str(args.master_port or (
-        find_free_port() if args.nnodes == 1 else 29500))
-    check_nodes(args)  # rank 0's address and port, before spawning: guard_rails.py
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"node {args.node_rank} of {args.nnodes}: starting {args.nproc_per_node} of "
-          f"{args.world_size} ranks ({args.backend}); rank 0 listens on "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # worker(local_rank, args) in nproc_per_node new processes on this node. If one fails,
-    # spawn stops the others here, and the other nodes' ranks lose it and stop within --timeout.
-    with spawn_guard("local rank"):
-        start_ranks(worker, args=(args,), nprocs=args.nproc_per_node)
 
 
 def parse_args(argv=None):
@@ -397,8 +319,8 @@ def parse_args(argv=None):
                         help="auto: NCCL when every rank has its own GPU, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a rank waits for the others before it stops with an error")
-    return check_args(parser.parse_args(argv))
+    return guard_rails.check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    start(launch, parse_args, torchrun_ok=True)
+    guard_rails.start(main, parse_args, launch, torchrun_ok=True)

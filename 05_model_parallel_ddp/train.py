@@ -1,9 +1,8 @@
 """Lesson 05: DDP over a model split across two devices per process (model parallelism).
 
-Lesson 02's program, with each rank's model cut in two: fc1 and its ReLU on one device, fc2 on
-another, and forward moves the activations between them. DDP still averages the gradients across
-ranks; each rank's module just spans two devices. With 2k GPUs, k ranks own two GPUs each (rank
-r: GPUs 2r and 2r+1); one GPU holds both stages; on the CPU (gloo) the split moves nothing.
+Lesson 02's program, with each rank's model cut in two (model.py): fc1 and its ReLU on one
+device, fc2 on another. With 2k GPUs, k ranks own two GPUs each (rank r: GPUs 2r and 2r+1).
+DistributedDataParallel (DDP) averages their gradients, so every rank takes the same step.
 
 Run it:
     python 05_model_parallel_ddp/train.py                          # GPU pairs, or 2 CPU ranks
@@ -16,203 +15,25 @@ import argparse
 import datetime
 import json
 import os
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import guard_rails
-from guard_rails import check_args, check_master_port, fail, rank_guard, spawn_guard, start
+from data import load_data
+from model import WineMLP
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup helpers
-# ---------------------------------------------------------------------------------------------
-def plan_devices(gpu_count, requested_world_size=None, flag="--world-size"):
-    """How many ranks run and where each rank's two stages live, from the GPU count alone, so
-    the plan for 8 GPUs can be checked on a laptop: (world_size, [(dev0, dev1) per rank], note).
-    More ranks than GPU pairs raise ValueError; its fix names flag (--world-size or torchrun's)."""
-    if gpu_count == 0:
-        world_size = requested_world_size or 2
-        return world_size, [("cpu", "cpu")] * world_size, ""
-    # A rank needs a pair of GPUs; a single GPU holds both stages of the one rank.
-    pairs = max(1, gpu_count // 2)
-    world_size = requested_world_size or pairs
-    if world_size > pairs:
-        raise ValueError(f"{flag} {world_size} needs {2 * world_size} GPUs (2 per rank), but "
-                         f"{gpu_count} visible; use {flag} {pairs} or --backend gloo")
-    if gpu_count == 1:
-        return 1, [("cuda:0", "cuda:0")], ("note: one GPU, so both stages of the model share "
-                                           "cuda:0 and the split moves nothing")
-    devices = [(f"cuda:{2 * rank}", f"cuda:{2 * rank + 1}") for rank in range(world_size)]
-    idle = f"note: each rank needs 2 GPUs, so cuda:{gpu_count - 1} stays idle"
-    return world_size, devices, idle if gpu_count % 2 else ""
-
-
-def choose_backend(requested, world_size, flag="--world-size"):
-    """NCCL when the ranks have GPUs, else gloo on the CPU; and where each rank's stages live."""
-    gpus = torch.cuda.device_count()
-    if requested == "nccl":
-        if gpus == 0 or not dist.is_nccl_available():
-            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-    if requested == "gloo" or not dist.is_nccl_available():
-        gpus = 0  # gloo keeps both stages of every rank on the CPU
-    try:
-        world_size, devices, note = plan_devices(gpus, world_size, flag)
-    except ValueError as error:
-        fail(error)
-    if note and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 alone says it
-        print(note, flush=True)
-    return ("nccl" if gpus else "gloo"), world_size, devices
-
-
-def find_free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
-        return sock.getsockname()[1]
-
-
-def start_ranks(fn, args, nprocs):
-    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
-    scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
-    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
-        return mp.spawn(fn, args=args, nprocs=nprocs)
-    # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
-                               "sklearn.model_selection", "sklearn.preprocessing"])
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def setup_process_group(rank, world_size, backend, dev0, timeout):
-    """Join the group of world_size processes; return this rank's first device."""
-    device = torch.device(dev0)
-    if backend == "nccl":
-        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
-        torch.cuda.set_device(device)
-    else:
-        # The ranks share the cores: each gets its share of threads, or they fight over them.
-        # (Under torchrun, on several machines, only LOCAL_WORLD_SIZE of them share this one.)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torchrun = guard_rails.started_by_torchrun()
-        torch.set_num_threads(max(1, cores // (int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun
-                                               else world_size)))
-    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
-    # No device_id, unlike lesson 02: it would bind NCCL to dev0 alone, and NCCL would refuse
-    # the all-reduce of fc2's gradients, which DDP runs on dev1, where they live.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
-    return device
-
-
-def cpu_state_dict(model):
-    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
-    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-
-
-def save_atomically(obj, path):
-    # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of the write leaves the previous file intact instead of a half-written one.
-    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
-
-    tmp_path = f"{path}.tmp"
-    with save_or_fail(path, tmp_path):
-        with open(tmp_path, "wb") as f:
-            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
-                f.write(json.dumps(obj, indent=2).encode())
-            else:
-                torch.save(obj, f)
-        os.replace(tmp_path, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
-class WineDataset(Dataset):
-    def __init__(self, features, labels):
-        self.features = torch.as_tensor(features, dtype=torch.float32)
-        self.labels = torch.as_tensor(labels, dtype=torch.long)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.features[index], self.labels[index]
-
-
-def load_data():
-    """The same 142 training and 36 test wines in every lesson."""
-    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
-    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
-    from sklearn.datasets import load_wine
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    features, labels = load_wine(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        features, labels, test_size=0.2, random_state=42, stratify=labels
-    )
-    # Fit the scaler on the training part only: the test wines must not leak into training.
-    scaler = StandardScaler().fit(x_train)
-    return (
-        WineDataset(scaler.transform(x_train), y_train),
-        WineDataset(scaler.transform(x_test), y_test),
-    )
-
-
-def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
-    # run the same number of steps (one step fewer would leave the others waiting forever).
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-class WineMLP(nn.Module):
-    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
-    checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
-
-    def __init__(self, dev0="cpu", dev1="cpu", in_features=13, hidden=64, classes=3):
-        super().__init__()
-        self.dev0, self.dev1 = torch.device(dev0), torch.device(dev1)
-        # Stage 1 (fc1 and its ReLU) on dev0, stage 2 (fc2) on dev1. Both are built on the CPU
-        # in lesson 02's order, then moved, so the same seed gives the same weights anywhere.
-        self.fc1 = nn.Linear(in_features, hidden).to(self.dev0)
-        self.fc2 = nn.Linear(hidden, classes).to(self.dev1)
-
-    def forward(self, x):
-        hidden = F.relu(self.fc1(x.to(self.dev0)))
-        # The one cost of the split: stage 1's activations are copied to stage 2's device here,
-        # and in backward their gradient is copied back. Meanwhile the other device waits.
-        return self.fc2(hidden.to(self.dev1))
-
-
-def build_model(args, dev0, dev1):
-    """The wine MLP split over this rank's two devices, in DDP."""
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP(dev0, dev1)
-    # No device_ids: they name the one device a module lives on, for DDP to move the inputs to.
-    # This module spans two and moves its own tensors, so DDP requires device_ids=None.
-    model = DDP(model)
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainer
+# The lesson: the training step, and how the data and the model come in
 # ---------------------------------------------------------------------------------------------
 class Trainer:
-    def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 rank, world_size):
+    def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir):
         self.model = model
         self.train_loader = train_loader
         self.test_set = test_set
@@ -220,9 +41,8 @@ class Trainer:
         self.device = device
         self.save_every = save_every
         self.out_dir = out_dir
-        self.rank = rank
-        self.world_size = world_size
-        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
+        self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
 
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
@@ -255,7 +75,8 @@ class Trainer:
         features = self.test_set.features[self.rank::self.world_size].to(self.device)
         labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
         # The model inside DDP (.module): evaluation needs none of DDP's synchronisation.
-        predictions = self.model.module(features).argmax(dim=1).to(self.device)
+        predictions = self.model.module(features).argmax(dim=1)
+        predictions = predictions.to(self.device)  # from dev1, to the labels on dev0
         counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return int(counts[0]), int(counts[1])
@@ -279,6 +100,45 @@ class Trainer:
         return losses
 
 
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def build_model(args, dev0, dev1):
+    """The wine MLP split over this rank's two devices, in DDP."""
+    # Seed before building the model so the initial weights are the same on every run.
+    torch.manual_seed(args.seed)
+    model = WineMLP(dev0, dev1)
+    # No device_ids: they name the one device a module lives on, for DDP to move the inputs to.
+    # This module spans two and moves its own tensors, so DDP requires device_ids=None.
+    model = DDP(model)
+    return model
+
+
+def plan_devices(gpu_count, requested_world_size=None, flag="--world-size"):
+    """How many ranks run and where each rank's two stages live, from the GPU count alone, so
+    the plan for 8 GPUs can be checked on a laptop: (world_size, [(dev0, dev1) per rank], note).
+    More ranks than GPU pairs raise ValueError; its fix names flag (--world-size or torchrun's)."""
+    if gpu_count == 0:
+        world_size = requested_world_size or 2
+        return world_size, [("cpu", "cpu")] * world_size, ""
+    # A rank needs a pair of GPUs; a single GPU holds both stages of the one rank.
+    pairs = max(1, gpu_count // 2)
+    world_size = requested_world_size or pairs
+    if world_size > pairs:
+        raise ValueError(f"{flag} {world_size} needs {2 * world_size} GPUs (2 per rank), but "
+                         f"{gpu_count} visible; use {flag} {pairs} or --backend gloo")
+    if gpu_count == 1:
+        return 1, [("cuda:0", "cuda:0")], ("note: one GPU, so both stages of the model share "
+                                           "cuda:0 and the split moves nothing")
+    devices = [(f"cuda:{2 * rank}", f"cuda:{2 * rank + 1}") for rank in range(world_size)]
+    idle = f"note: each rank needs 2 GPUs, so cuda:{gpu_count - 1} stays idle"
+    return world_size, devices, idle if gpu_count % 2 else ""
+
+
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +146,7 @@ def main(rank, args):
     start = args.start_time  # set by launch, before the ranks were started
     # The GPUs are planned per machine, so a rank's pair is found by its local rank (torchrun's
     # LOCAL_RANK; under mp.spawn, on one machine, the rank itself, whatever the environment says).
-    local_rank = int(os.environ["LOCAL_RANK"]) if guard_rails.started_by_torchrun() else rank
+    local_rank = int(os.environ["LOCAL_RANK"]) if dist.is_torchelastic_launched() else rank
     dev0, dev1 = args.devices[local_rank]
     device = setup_process_group(rank, args.world_size, args.backend, dev0, args.timeout)
     train_set, test_set = load_data()
@@ -295,8 +155,7 @@ def main(rank, args):
     model = build_model(args, dev0, dev1)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, rank, args.world_size)
-
+                      args.out_dir)
     if trainer.is_main_process:
         print(f"training on {args.world_size} x (fc1 on {dev0}, fc2 on {dev1}) ({args.backend}): "
               f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
@@ -307,61 +166,118 @@ def main(rank, args):
     correct, total = trainer.evaluate()
     if not trainer.is_main_process:
         return  # every rank holds the same results; rank 0 alone writes them
-
     save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
     results = {"train_loss": losses, "test_correct": correct, "test_total": total,
                "test_accuracy": correct / total, "train_seconds": train_seconds,
                "wall_seconds": time.time() - start}
-    save_atomically(describe_run(args, device, dev0, dev1) | results,
+    save_atomically(describe_run(args, device) | results,
                     os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
 
 
-def describe_run(args, device, dev0, dev1):
+# =============================================================================================
+# Plumbing: how the lesson starts, saves and reads its flags. Every lesson ends with it, and only
+# the lesson that teaches a piece of it changes that piece: read it once, skip it after.
+# =============================================================================================
+def choose_backend(requested, world_size, flag="--world-size"):
+    """NCCL when the ranks have GPUs, else gloo on the CPU; and where each rank's stages live."""
+    gpus = torch.cuda.device_count() if requested != "gloo" and dist.is_nccl_available() else 0
+    # --backend nccl without a GPU, more ranks than GPU pairs: one line (guard_rails.py).
+    world_size, devices = guard_rails.check_device_plan(plan_devices, requested, gpus,
+                                                        world_size, flag)
+    return ("nccl" if gpus else "gloo"), world_size, devices
+
+
+def setup_process_group(rank, world_size, backend, dev0, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    device = torch.device(dev0)  # its first: the batches and the running totals live there
+    if backend == "nccl":
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
+        torch.cuda.set_device(device)
+    else:
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        # Under torchrun, on several machines, only LOCAL_WORLD_SIZE of them share this one.
+        torchrun = dist.is_torchelastic_launched()
+        ranks_here = int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else world_size
+        torch.set_num_threads(max(1, cores // ranks_here))
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    # No device_id, unlike lesson 02: dev0 would bind NCCL to dev0 alone, and NCCL would refuse
+    # the all-reduce of fc2's gradients, which DDP runs on dev1, where they live.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=None)
+    return device
+
+
+def worker(local_rank, main, args):
+    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
+    rank = int(os.environ["RANK"]) if dist.is_torchelastic_launched() else local_rank
+    with guard_rails.rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, args)
+        dist.destroy_process_group()
+
+
+def launch(main, args):
+    """Pick the backend and rank 0's port, then run main in world_size new processes."""
+    args.start_time = time.time()
+    if dist.is_torchelastic_launched():
+        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
+        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT. The GPUs
+        # are planned, and the devices chosen, for the ranks on this machine.
+        args.backend, _, args.devices = choose_backend(
+            args.backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun's --nproc-per-node")
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        return worker(int(os.environ["LOCAL_RANK"]), main, args)
+    args.backend, args.world_size, args.devices = choose_backend(args.backend, args.world_size)
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(guard_rails.find_free_port()))
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # mp.spawn(worker, args=(main, args), nprocs=args.world_size): ranks 0 .. world_size - 1,
+    # each forked from a server that has imported torch and these once (lesson 02's README).
+    preload = ["torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+               "sklearn.preprocessing"]
+    with guard_rails.spawn_guard("rank"):
+        guard_rails.start_ranks(worker, (main, args), args.world_size, preload)
+
+
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
+
+
+def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
         "lesson": "05_model_parallel_ddp",
         "world_size": args.world_size,
         "backend": args.backend,
         "device": device.type,
-        "stage_devices": [dev0, dev1],  # rank 0's
+        "stage_devices": args.devices[0],  # rank 0's
         "epochs": args.epochs,
         "batch_size": args.batch_size,
         "lr": args.lr,
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
     }
-
-
-def worker(rank, args):
-    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
-    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
-        main(rank, args)
-        dist.destroy_process_group()
-
-
-def launch(args):
-    args.start_time = time.time()
-    if guard_rails.started_by_torchrun():
-        # torchrun has started the ranks and set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*:
-        # this process is one rank. The GPUs are planned for the ranks on this machine.
-        args.backend, _, args.devices = choose_backend(
-            args.backend, int(os.environ["LOCAL_WORLD_SIZE"]), "torchrun's --nproc-per-node")
-        args.world_size = int(os.environ["WORLD_SIZE"])
-        worker(int(os.environ["RANK"]), args)  # runs main, then ends this process
-        return
-    args.backend, args.world_size, args.devices = choose_backend(args.backend, args.world_size)
-    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
-    check_master_port()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # Runs worker(rank, args) in world_size new processes, rank 0 .. world_size - 1.
-    with spawn_guard("rank"):
-        start_ranks(worker, args=(args,), nprocs=args.world_size)
 
 
 def parse_args(argv=None):
@@ -383,8 +299,8 @@ def parse_args(argv=None):
                         help="auto: NCCL when there are GPUs, else gloo")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a rank waits for the others before it stops with an error")
-    return check_args(parser.parse_args(argv))
+    return guard_rails.check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    start(launch, parse_args, torchrun_ok=True)
+    guard_rails.start(main, parse_args, launch, torchrun_ok=True)

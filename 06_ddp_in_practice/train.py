@@ -19,194 +19,27 @@ import datetime
 import json
 import math
 import os
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from guard_rails import check_master_port, check_practice_args, fail, rank_guard, spawn_guard, start
+import guard_rails
+from data import load_data
+from learning_rate import lr_at_step, scaled_lr
+from model import WineMLP
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup helpers
-# ---------------------------------------------------------------------------------------------
-def choose_backend(requested, world_size, flag="--world-size"):
-    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
-    gpus = torch.cuda.device_count()
-    if requested == "nccl":
-        if gpus == 0 or not dist.is_nccl_available():
-            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-        if world_size > gpus:
-            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
-                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
-        return "nccl"
-    if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
-        return "nccl"
-    if requested == "auto" and gpus > 0:
-        print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
-              "so the ranks train on the CPU with gloo")
-    return "gloo"
-
-
-def find_free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
-        return sock.getsockname()[1]
-
-
-def start_ranks(fn, args, nprocs):
-    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
-    scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
-    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
-        return mp.spawn(fn, args=args, nprocs=nprocs)
-    # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
-                               "sklearn.model_selection", "sklearn.preprocessing"])
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def setup_process_group(rank, world_size, backend, timeout):
-    """Join the group of world_size processes; return this rank's device."""
-    # torchrun numbers the GPUs and shares the cores per node; mp.spawn's ranks are all on this
-    # one. Read only under torchrun: some clusters export LOCAL_RANK to every process.
-    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-                               if dist.is_torchelastic_launched() else (rank, world_size))
-    if backend == "nccl":
-        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        # The ranks share the cores: each gets its share of threads, or they fight over them.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, cores // local_ranks))
-        device = torch.device("cpu")
-    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if backend == "nccl" else None)
-    return device
-
-
-def cpu_state_dict(model):
-    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
-    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-
-
-def save_atomically(obj, path):
-    # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of the write leaves the previous file intact instead of a half-written one.
-    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
-
-    tmp_path = f"{path}.tmp"
-    with save_or_fail(path, tmp_path):
-        with open(tmp_path, "wb") as f:
-            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
-                f.write(json.dumps(obj, indent=2).encode())
-            else:
-                torch.save(obj, f)
-        os.replace(tmp_path, path)
-
-
-def scaled_lr(lr, global_batch, rule):
-    """--lr was chosen for a batch of 32 (lesson 01's). For k times that batch, the linear rule
-    takes k times the rate (Goyal et al., 2017, for SGD), the square-root rule sqrt(k) times
-    (Malladi et al., 2022, for Adam); no rule keeps --lr."""
-    k = global_batch / 32
-    return {"linear": lr * k, "sqrt": lr * math.sqrt(k)}.get(rule, lr)
-
-
-def lr_at_step(step, lr, peak_lr, warmup_steps):
-    """Warm-up: from lr to peak_lr in a straight line over warmup_steps optimizer steps."""
-    return peak_lr if step >= warmup_steps else lr + (peak_lr - lr) * step / warmup_steps
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
-class WineDataset(Dataset):
-    def __init__(self, features, labels):
-        self.features = torch.as_tensor(features, dtype=torch.float32)
-        self.labels = torch.as_tensor(labels, dtype=torch.long)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.features[index], self.labels[index]
-
-
-def load_data():
-    """The same 142 training and 36 test wines in every lesson."""
-    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
-    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
-    from sklearn.datasets import load_wine
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    features, labels = load_wine(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        features, labels, test_size=0.2, random_state=42, stratify=labels
-    )
-    # Fit the scaler on the training part only: the test wines must not leak into training.
-    scaler = StandardScaler().fit(x_train)
-    return (
-        WineDataset(scaler.transform(x_train), y_train),
-        WineDataset(scaler.transform(x_test), y_test),
-    )
-
-
-def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
-    # run the same number of steps (one step fewer would leave the others waiting forever).
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-class WineMLP(nn.Module):
-    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
-    checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
-
-    def __init__(self, in_features=13, hidden=64, classes=3):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden)
-        self.fc2 = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-def build_model(args, device):
-    """The wine MLP, on this rank's device, in DDP; compiled with --compile."""
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP().to(device)
-    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if args.compile:
-        # Compile the DDP model, not the module inside: Dynamo's DDPOptimizer then splits the
-        # graph where DDP's gradient buckets end, so that each bucket's all-reduce can start
-        # while backward goes on (this MLP fits in one bucket). The first steps pay to compile.
-        model = torch.compile(model)
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainer
+# The lesson: the training step, and how the data and the model come in
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 rank, world_size, micro_batch, precision, clip_grad_norm, lr_schedule):
+                 micro_batch, precision, clip_grad_norm, lr_schedule):
         self.model = model
         self.train_loader = train_loader
         self.test_set = test_set
@@ -214,9 +47,8 @@ class Trainer:
         self.device = device
         self.save_every = save_every
         self.out_dir = out_dir
-        self.rank = rank
-        self.world_size = world_size
-        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
+        self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
         self.micro_batch = micro_batch  # samples per forward and backward: --batch-size
         self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         # fp16 cannot hold gradients below about 6e-8 (they become 0): the scaler multiplies the
@@ -251,8 +83,8 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)  # fp16: the true gradients, before their norm
         # After the all-reduce every rank holds the global batch's gradient: all measure the same
         # norm and clip alike (inside no_sync each would clip its own part, by its own factor).
-        self.grad_norms.append(nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                        self.clip_grad_norm))
+        self.grad_norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                              self.clip_grad_norm))
         self.lrs.append(self.optimizer.param_groups[0]["lr"])  # what the step below uses
         self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -304,6 +136,28 @@ class Trainer:
         return losses
 
 
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def build_model(args, device):
+    """The wine MLP, on this rank's device, in DDP."""
+    # Seed before building the model so the initial weights are the same on every run.
+    torch.manual_seed(args.seed)
+    model = WineMLP().to(device)
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if args.compile:
+        # Compile the DDP model, not the module inside: Dynamo's DDPOptimizer then splits the
+        # graph where DDP's gradient buckets end, so that each bucket's all-reduce can start
+        # while backward goes on (this MLP fits in one bucket). The first steps pay to compile.
+        model = torch.compile(model)
+    return model
+
+
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
@@ -319,8 +173,7 @@ def main(rank, args):
     peak_lr = scaled_lr(args.lr, global_batch, args.scale_lr)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, rank, args.world_size, args.batch_size, args.precision,
-                      args.clip_grad_norm,
+                      args.out_dir, args.batch_size, args.precision, args.clip_grad_norm,
                       lambda step: lr_at_step(step, args.lr, peak_lr, args.warmup_steps))
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}): "
@@ -335,18 +188,105 @@ def main(rank, args):
     dist.all_gather_object(grad_norms, torch.stack(trainer.grad_norms).tolist())
     if not trainer.is_main_process:
         return  # every rank holds the same results; rank 0 alone writes them
-
     samples_per_second = args.epochs * len(train_loader.sampler) * args.world_size / train_seconds
     print(f"{samples_per_second:.0f} samples/s over all ranks, {trainer.steps} optimizer steps",
           flush=True)
     save_atomically(cpu_state_dict(model.module), os.path.join(args.out_dir, "final.pt"))
-    results = {"samples_per_second": samples_per_second, "train_loss": losses,
-               "test_correct": correct, "test_total": total, "test_accuracy": correct / total,
-               "train_seconds": train_seconds, "wall_seconds": time.time() - start}
+    results = {"samples_per_second": samples_per_second,
+               "train_loss": losses, "test_correct": correct, "test_total": total,
+               "test_accuracy": correct / total, "train_seconds": train_seconds,
+               "wall_seconds": time.time() - start}
     save_atomically(describe_run(args, device, global_batch, trainer, grad_norms) | results,
                     os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
+
+
+# =============================================================================================
+# Plumbing: how the lesson starts, saves and reads its flags. Every lesson ends with it, and only
+# the lesson that teaches a piece of it changes that piece: read it once, skip it after.
+# =============================================================================================
+def choose_backend(requested, world_size, flag="--world-size"):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+    guard_rails.check_backend(requested, world_size, flag)  # --backend nccl that cannot work
+    if requested == "nccl" or (requested == "auto" and dist.is_nccl_available()
+                               and 0 < world_size <= torch.cuda.device_count()):
+        return "nccl"
+    return "gloo"
+
+
+def setup_process_group(rank, world_size, backend, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    # torchrun numbers the GPUs and shares the cores per node; mp.spawn's ranks are all on this
+    # one. Read only under torchrun: some clusters export LOCAL_RANK to every process.
+    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+                               if dist.is_torchelastic_launched() else (rank, world_size))
+    if backend == "nccl":
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // local_ranks))
+        device = torch.device("cpu")
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def worker(local_rank, main, args):
+    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
+    rank = int(os.environ["RANK"]) if dist.is_torchelastic_launched() else local_rank
+    with guard_rails.rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, args)
+        dist.destroy_process_group()
+
+
+def launch(main, args):
+    """Pick the backend and rank 0's port, then run main in world_size new processes."""
+    args.start_time = time.time()
+    if dist.is_torchelastic_launched():
+        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
+        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT.
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
+        return worker(int(os.environ["LOCAL_RANK"]), main, args)
+    args.backend = choose_backend(args.backend, args.world_size)
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(guard_rails.find_free_port()))
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # mp.spawn(worker, args=(main, args), nprocs=args.world_size): ranks 0 .. world_size - 1,
+    # each forked from a server that has imported torch and these once (lesson 02's README).
+    preload = ["torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+               "sklearn.preprocessing"]
+    with guard_rails.spawn_guard("rank"):
+        guard_rails.start_ranks(worker, (main, args), args.world_size, preload)
+
+
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
 
 
 def describe_run(args, device, global_batch, trainer, grad_norms):
@@ -368,33 +308,6 @@ def describe_run(args, device, global_batch, trainer, grad_norms):
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
     }
-
-def worker(rank, args):
-    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
-        main(rank, args)
-        dist.destroy_process_group()
-
-
-def launch(args):
-    args.start_time = time.time()
-    if dist.is_torchelastic_launched():
-        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
-        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT.
-        args.world_size = int(os.environ["WORLD_SIZE"])
-        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
-                                      "torchrun's --nproc-per-node")
-        return worker(int(os.environ["RANK"]), args)
-    args.backend = choose_backend(args.backend, args.world_size)
-    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
-    check_master_port()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # Runs worker(rank, args) in world_size new processes, rank 0 .. world_size - 1.
-    with spawn_guard("rank"):
-        start_ranks(worker, args=(args,), nprocs=args.world_size)
 
 
 def parse_args(argv=None):
@@ -426,8 +339,8 @@ def parse_args(argv=None):
                         help="rule that scales --lr, chosen for batch 32, to the global batch")
     parser.add_argument("--warmup-steps", type=int, default=10,
                         help="steps over which the lr rises from --lr to the scaled one")
-    return check_practice_args(parser.parse_args(argv))
+    return guard_rails.check_practice_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    start(launch, parse_args, torchrun_ok=True)
+    guard_rails.start(main, parse_args, launch, torchrun_ok=True)

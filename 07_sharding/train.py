@@ -1,279 +1,42 @@
 """Lesson 07: sharding, for a model whose training state no longer fits on one device.
 
-Lesson 02's program, with the training state split across the ranks instead of copied to each.
-DDP keeps all of it on every rank. ZeRO-1 (--strategy zero1) gives each rank the optimizer state
-of its share of the parameters; FSDP (--strategy fsdp, FSDP2's fully_shard) gives each rank 1/N
-of every parameter, gradient and optimizer state. All three take the same steps; the run prints
-the bytes each rank holds. torch.distributed.checkpoint saves every rank's shards, and a run
-resumes from them with any strategy and number of ranks. torchrun also starts it, as in lesson 04.
+Lesson 02's program, with the training state split over the ranks (sharding.py: --strategy
+zero1, fsdp, or ddp as in lesson 02), each rank's bytes printed (memory.py), and a sharded
+checkpoint that any strategy and world size resume (so give each run its own --out-dir).
 
-Run it (each run its own --out-dir, or it resumes the finished checkpoint of the one before):
+Run it:
     python 07_sharding/train.py                                  # FSDP on every GPU, or 2 CPU ranks
     python 07_sharding/train.py --strategy zero1 --out-dir runs/07_zero1    # ZeRO-1
-    python 07_sharding/train.py --strategy ddp --out-dir runs/07_ddp        # lesson 02's DDP
-    python 07_sharding/train.py --hidden 4096 --epochs 2 --out-dir runs/07_fsdp_4096  # wider
     torchrun --standalone --nproc-per-node 2 07_sharding/train.py --out-dir runs/07_torchrun
-    torchrun --nnodes 2 --nproc-per-node 4 --node-rank 0 --master-addr HOST0 --master-port 29500 \
-        07_sharding/train.py --out-dir /shared/runs/07   # node 1: --node-rank 1; all nodes see it
 """
 
 import argparse
 import datetime
-import glob
 import json
 import os
-import shutil
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from guard_rails import (
-    agree_on_checkpoint,
-    check_args,
-    check_master_port,
-    check_sharding,
-    fail,
-    rank_guard,
-    restart_store,
-    sharded_save_or_fail,
-    spawn_guard,
-    start,
-    started_by_torchrun,
-)
+import guard_rails
+from data import load_data
+from memory import memory_baseline, memory_per_rank, memory_rows, print_memory
+from model import WineMLP
+from sharding import build_optimizer, latest_checkpoint, load_sharded, save_sharded, shard_model
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup helpers
-# ---------------------------------------------------------------------------------------------
-def choose_backend(requested, world_size, flag="--world-size"):
-    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
-    gpus = torch.cuda.device_count()
-    if requested == "nccl":
-        if gpus == 0 or not dist.is_nccl_available():
-            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-        if world_size > gpus:
-            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
-                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
-        return "nccl"
-    if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
-        return "nccl"
-    if requested == "auto" and gpus > 0:
-        print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
-              "so the ranks train on the CPU with gloo")
-    return "gloo"
-
-
-def find_free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
-        return sock.getsockname()[1]
-
-
-def start_ranks(fn, args, nprocs):
-    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
-    scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
-    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
-        return mp.spawn(fn, args=args, nprocs=nprocs)
-    # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
-                               "sklearn.model_selection", "sklearn.preprocessing"])
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def setup_process_group(rank, local_rank, world_size, backend, timeout):
-    """Join the group of world_size processes; return this rank's device."""
-    if backend == "nccl":
-        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
-        # The local rank picks it: under torchrun on several nodes, each numbers its GPUs from 0.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        # The ranks share the cores: each gets its share of threads, or they fight over them.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        # Under torchrun, LOCAL_WORLD_SIZE of them share this machine (only torchrun's counts).
-        ranks_here = int(os.environ["LOCAL_WORLD_SIZE"]) if started_by_torchrun() else world_size
-        torch.set_num_threads(max(1, cores // ranks_here))
-        device = torch.device("cpu")
-    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            store=restart_store(rank, world_size, timeout),  # torchrun restarts
-                            timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if backend == "nccl" else None)
-    return device
-
-
-def local_bytes(tensors):
-    """Bytes of the tensors as this rank holds them: of a sharded one (a DTensor), its shard."""
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def memory_baseline(device):
-    """Reset the GPU's peak and return what it holds, for peak_memory_bytes to subtract."""
-    if device.type != "cuda":
-        return 0
-    # cuBLAS keeps megabytes of workspace for each thread that multiplies (backward has its own):
-    # made now, they stay out of the peak (torch/testing/_internal/common_utils.py skips them too).
-    WineMLP().to(device)(torch.zeros(2, 13, device=device)).sum().backward()
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def peak_memory_bytes(device, baseline):
-    """This rank's peak: on a GPU, allocated since memory_baseline; on the CPU, resident memory."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) - baseline
-    if sys.platform == "win32":
-        return -1  # Windows has no getrusage: the table says n/a
-    import resource  # Unix and macOS only: imported here, so the lesson starts on Windows
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # macOS counts bytes, Linux KiB
-
-
-def save_atomically(obj, path):
-    # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of the write leaves the previous file intact instead of a half-written one.
-    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
-
-    tmp_path = f"{path}.tmp"
-    with save_or_fail(path, tmp_path):
-        with open(tmp_path, "wb") as f:
-            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
-                f.write(json.dumps(obj, indent=2).encode())
-            else:
-                torch.save(obj, f)
-        os.replace(tmp_path, path)
-
-
-def latest_checkpoint(checkpoint_dir):
-    """The newest finished checkpoint folder, or None: a save writes checksums.json last of all,
-    after dcp.save's .metadata (guard_rails.py, record_checksums)."""
-    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", "checksums.json")))
-    return os.path.dirname(finished[-1]) if finished else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
-class WineDataset(Dataset):
-    def __init__(self, features, labels):
-        self.features = torch.as_tensor(features, dtype=torch.float32)
-        self.labels = torch.as_tensor(labels, dtype=torch.long)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.features[index], self.labels[index]
-
-
-def load_data():
-    """The same 142 training and 36 test wines in every lesson."""
-    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
-    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
-    from sklearn.datasets import load_wine
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    features, labels = load_wine(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        features, labels, test_size=0.2, random_state=42, stratify=labels
-    )
-    # Fit the scaler on the training part only: the test wines must not leak into training.
-    scaler = StandardScaler().fit(x_train)
-    return (
-        WineDataset(scaler.transform(x_train), y_train),
-        WineDataset(scaler.transform(x_test), y_test),
-    )
-
-
-def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
-    # run the same number of steps (one step fewer would leave the others waiting forever).
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-class WineMLP(nn.Module):
-    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
-    checkpoint keys of every lesson, so any lesson's final.pt loads into this class."""
-
-    def __init__(self, in_features=13, hidden=64, classes=3):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden)
-        self.fc2 = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        return self.fc2(F.relu(self.fc1(x)))
-
-
-def shard_model(model, strategy, device):
-    """Wrap the model for the strategy: DDP (ddp, zero1) or FSDP2's fully_shard (fsdp)."""
-    if strategy != "fsdp":
-        # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    # The mesh: the ranks that share the model, on this device type, over our process group.
-    # Not fully_shard's default, on the accelerator whenever one exists, where a gloo run's CPU
-    # model would move (pytorch/pytorch#132471); nor init_device_mesh, which for a gloo group on
-    # a machine with CUDA makes a new group with the 30-minute default timeout, not --timeout.
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
-    # Each call makes one unit: its parameters are cut along dim 0, one slice (a DTensor) per
-    # rank. In forward and backward a unit is all-gathered whole, used and freed, and its
-    # gradients reduce-scattered: a layer at a time, and in backward the next one fetched ahead.
-    # FSDP does not broadcast rank 0's weights as DDP does: each rank cuts its slice from its own.
-    for layer in (model.fc1, model.fc2):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def build_optimizer(model, strategy, lr):
-    if strategy == "zero1":
-        # ZeRO stage 1: every rank still holds all parameters and, after DDP's all-reduce, all
-        # gradients, but Adam's state only for its share: whole tensors, dealt largest first.
-        # Each rank steps its share, then broadcasts it to the others.
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
-                                       lr=lr)
-    return torch.optim.Adam(model.parameters(), lr=lr)
-
-
-def build_model(args, device):
-    """The wine MLP, on this rank's device, sharded as --strategy asks."""
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP(hidden=args.hidden).to(device)
-    return shard_model(model, args.strategy, device)
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainer
+# The lesson: the training step, and how the data and the model come in
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 rank, world_size, strategy):
+                 strategy):
         self.model = model
         self.train_loader = train_loader
         self.test_set = test_set
@@ -281,24 +44,21 @@ class Trainer:
         self.device = device
         self.save_every = save_every
         self.out_dir = out_dir
-        self.rank = rank
-        self.world_size = world_size
-        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
+        self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
         self.strategy = strategy
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
-        self.adam = optimizer.optim if strategy == "zero1" else optimizer
+        self.adam = getattr(optimizer, "optim", optimizer)
         # Where training stands: what a checkpoint saves and a resume restores.
         self.checkpoint_dir = os.path.join(out_dir, "checkpoint")
-        self.epochs_completed = 0
-        self.losses = []
+        self.epochs_completed, self.losses = 0, []
 
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(self.model(features), labels)
         # In backward, DDP all-reduces the gradients and divides by world_size: the mean of the
         # ranks' batch means is the global batch's mean gradient, the same step on every rank.
-        # FSDP's backward reduce-scatters them instead: the same average, but each rank
-        # receives only the slice that matches its slice of the parameters, and steps that.
+        # FSDP reduce-scatters them instead: each rank gets the mean's slice that it steps.
         loss.backward()
         self.optimizer.step()
         return loss.detach()
@@ -323,7 +83,7 @@ class Trainer:
         # A stride: each test wine on exactly one rank (DistributedSampler would pad with repeats).
         features = self.test_set.features[self.rank::self.world_size].to(self.device)
         labels = self.test_set.labels[self.rank::self.world_size].to(self.device)
-        # The wrapped model (.module): evaluation needs none of DDP's synchronisation.
+        # The model inside DDP (.module): evaluation needs none of DDP's synchronisation.
         # Under FSDP every rank calls the model, even with no test wines: its forward gathers.
         model = self.model.module if isinstance(self.model, DDP) else self.model
         predictions = model(features).argmax(dim=1)
@@ -331,77 +91,51 @@ class Trainer:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         return int(counts[0]), int(counts[1])
 
-    def memory_per_rank(self, baseline):
-        """[parameters, gradients, optimizer state, peak] in bytes, one row per rank."""
-        params = list(self.model.parameters())
-        state = [t for s in self.adam.state.values() for t in s.values() if torch.is_tensor(t)]
-        row = torch.tensor([local_bytes(params), local_bytes(p.grad for p in params),
-                            local_bytes(state), peak_memory_bytes(self.device, baseline)],
-                           device=self.device)
-        rows = [torch.empty_like(row) for _ in range(self.world_size)]
-        dist.all_gather(rows, row)  # every rank's row, so that rank 0 can print them all
-        return [r.tolist() for r in rows]
-
-    def training_state(self):
-        """{"model": ..., "optimizer": ...}: tensors by parameter name, each rank's own shards."""
-        # The same names under every strategy ("fc1.weight", no "module." prefix) let one
-        # strategy's checkpoint load into another. zero1: Adam's state of this rank's share.
-        model_state, optimizer_state = get_state_dict(self.model, self.adam)
-        return {"model": model_state, "optimizer": optimizer_state["state"]}
-
-    def save_checkpoint(self):
-        path = os.path.join(self.checkpoint_dir, f"epoch_{self.epochs_completed:04d}")
-        with sharded_save_or_fail(self.rank, path) as barrier:  # a failed write: one line
-            if self.is_main_process:
-                shutil.rmtree(path, ignore_errors=True)  # a save of this epoch that was cut short
-                os.makedirs(path)
-                with open(os.path.join(path, "progress.json"), "w") as f:
-                    json.dump({"epochs_completed": self.epochs_completed, "train_loss": self.losses,
-                               "strategy": self.strategy, "world_size": self.world_size}, f)
-            barrier()  # the folder exists before any rank writes into it
-            # Every rank writes what it holds to its own file, all at once (a tensor held whole
-            # by several, once); rank 0 then writes .metadata: which file holds which chunk of what.
-            dcp.save(self.training_state(), checkpoint_id=path)
-        if self.is_main_process:  # this save is complete: older ones can go
-            for old in glob.glob(os.path.join(self.checkpoint_dir, "epoch_*")):
-                if old != path:
-                    shutil.rmtree(old)
-
-    def load_checkpoint(self, path):
-        with open(os.path.join(path, "progress.json")) as f:
-            progress = json.load(f)
-        # Each rank reads, from whichever files hold them, exactly the pieces of each tensor it
-        # needs now: the checkpoint loads whatever strategy and number of ranks wrote it.
-        state = self.training_state()
-        dcp.load(state, checkpoint_id=path)
-        _, optimizer_state = get_state_dict(self.model, self.adam)
-        set_state_dict(self.model, self.adam, model_state_dict=state["model"],
-                       optim_state_dict={**optimizer_state, "state": state["optimizer"]})
-        self.epochs_completed = progress["epochs_completed"]
-        self.losses = list(progress["train_loss"])
-        return progress
+    def save_checkpoint(self, epoch):
+        # Every rank: each holds shards that no other has (sharding.py).
+        save_sharded(self.checkpoint_dir, self.model, self.adam,
+                     {"epochs_completed": epoch + 1, "train_loss": self.losses,
+                      "strategy": self.strategy, "world_size": self.world_size})
 
     def train(self, max_epochs):
-        # From the checkpoint's next epoch, not from 0: no epoch is repeated or skipped.
-        for epoch in range(self.epochs_completed, max_epochs):
+        losses = self.losses  # after a resume, those of the epochs the checkpoint holds
+        for epoch in range(self.epochs_completed, max_epochs):  # none repeated, none skipped
             start = time.perf_counter()
             loss = self.train_epoch(epoch)
-            self.losses.append(loss)
-            self.epochs_completed = epoch + 1
+            losses.append(loss)
             if self.is_main_process:
                 print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
                       f"| {time.perf_counter() - start:.3f} s", flush=True)
-            if self.epochs_completed % self.save_every == 0 or self.epochs_completed == max_epochs:
-                self.save_checkpoint()  # every rank: each holds shards that no other has
-        return self.losses
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self.save_checkpoint(epoch)
+        return losses
+
+
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def build_model(args, device):
+    """The wine MLP, on this rank's device, in DDP (ddp, zero1) or sharded by FSDP (fsdp)."""
+    # Seed before building the model so the initial weights are the same on every run.
+    torch.manual_seed(args.seed)
+    model = WineMLP(hidden=args.hidden).to(device)
+    if args.strategy == "fsdp":
+        return shard_model(model, device)  # sharding.py
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
-def main(rank, local_rank, args):
+def main(rank, args):
     start = args.start_time  # set by launch, before the ranks were started
-    device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
+    device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
     baseline = memory_baseline(device)  # before the model, so the peak covers all of training
     train_set, test_set = load_data()
     train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)
@@ -409,41 +143,134 @@ def main(rank, local_rank, args):
     model = build_model(args, device)
     optimizer = build_optimizer(model, args.strategy, args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, rank, args.world_size, args.strategy)
-    resumed_after_epoch = resume(trainer, rank, args)  # 0: this run started from scratch
+                      args.out_dir, args.strategy)
+    resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
-        print(f"training on {args.world_size} x {device.type} ({args.backend}, "
-              f"{args.strategy}): {len(train_set)} train / {len(test_set)} test wines, batch "
-              f"{args.batch_size} per rank ({args.batch_size * args.world_size} in all)",
-              flush=True)
+        print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
+              f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
+              f"per rank ({args.batch_size * args.world_size} in all)", flush=True)
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
     # Before evaluating, which gathers layers again; a run that took no step has nothing to show.
-    memory = trainer.memory_per_rank(baseline) if resumed_after_epoch < args.epochs else []
+    memory = (memory_per_rank(model, trainer.adam, device, baseline)
+              if resumed_after_epoch < args.epochs else [])
     correct, total = trainer.evaluate()
-    weights = gathered_weights(model)  # a collective: every rank takes part
+    weights = cpu_state_dict(model)  # a collective: every rank takes part
     if not trainer.is_main_process:
         return  # rank 0 holds every result now; it alone writes them
-
     save_atomically(weights, os.path.join(args.out_dir, "final.pt"))
     print_memory(memory, f"{args.strategy}, {args.world_size} ranks, hidden {args.hidden}")
     results = {"train_loss": losses, "test_correct": correct, "test_total": total,
                "test_accuracy": correct / total, "train_seconds": train_seconds,
-               "wall_seconds": time.time() - start, "memory": memory_rows(memory)}
-    save_atomically(describe_run(args, device, resumed_after_epoch) | results,
+               "wall_seconds": time.time() - start, "memory": memory_rows(memory),
+               "resumed_after_epoch": resumed_after_epoch}
+    save_atomically(describe_run(args, device) | results,
                     os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
 
 
-def resume(trainer, rank, args):
+# =============================================================================================
+# Plumbing: how the lesson starts, saves and reads its flags. Every lesson ends with it, and only
+# the lesson that teaches a piece of it changes that piece: read it once, skip it after.
+# =============================================================================================
+def choose_backend(requested, world_size, flag="--world-size"):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+    guard_rails.check_backend(requested, world_size, flag)  # --backend nccl that cannot work
+    if requested == "nccl" or (requested == "auto" and dist.is_nccl_available()
+                               and 0 < world_size <= torch.cuda.device_count()):
+        return "nccl"
+    return "gloo"
+
+
+def setup_process_group(rank, world_size, backend, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    # This machine's GPU and ranks: torchrun's (only under it: some clusters set LOCAL_RANK).
+    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+                               if dist.is_torchelastic_launched() else (rank, world_size))
+    if backend == "nccl":
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // local_ranks))
+        device = torch.device("cpu")
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            store=guard_rails.restart_store(rank, world_size, timeout),  # restarts
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def worker(local_rank, main, args):
+    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
+    rank = int(os.environ["RANK"]) if dist.is_torchelastic_launched() else local_rank
+    with guard_rails.rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, args)
+        dist.destroy_process_group()
+
+
+def launch(main, args):
+    """Pick the backend and rank 0's port, then run main in world_size new processes."""
+    args.start_time = time.time()
+    if dist.is_torchelastic_launched():
+        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
+        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT.
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
+        guard_rails.check_sharding(args, latest_checkpoint)
+        return worker(int(os.environ["LOCAL_RANK"]), main, args)
+    args.backend = choose_backend(args.backend, args.world_size)
+    guard_rails.check_sharding(args, latest_checkpoint)  # the width and any checkpoint
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(guard_rails.find_free_port()))
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # mp.spawn(worker, args=(main, args), nprocs=args.world_size): ranks 0 .. world_size - 1,
+    # each forked from a server that has imported torch and these once (lesson 02's README).
+    preload = ["torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+               "sklearn.preprocessing"]
+    with guard_rails.spawn_guard("rank", then=". Run it again to resume from the last checkpoint"):
+        guard_rails.start_ranks(worker, (main, args), args.world_size, preload)
+
+
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    # Whole: gathered from every rank's shards (a collective) onto rank 0; the others get {}.
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
+
+
+def resume(trainer, args):
     """Load the newest finished checkpoint in --out-dir, if any; return the epochs it holds."""
-    # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
     # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
-    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
+    checkpoint = guard_rails.agree_on_checkpoint(trainer.rank, trainer.checkpoint_dir,
+                                                 latest_checkpoint)
     if checkpoint:
-        progress = trainer.load_checkpoint(checkpoint)
+        progress = load_sharded(checkpoint, trainer.model, trainer.adam)  # sharding.py
+        trainer.epochs_completed = progress["epochs_completed"]
+        trainer.losses = progress["train_loss"]
         if trainer.is_main_process:
             print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
                   f"epochs done, written by {progress['strategy']} on "
@@ -456,40 +283,14 @@ def resume(trainer, rank, args):
     return trainer.epochs_completed
 
 
-def gathered_weights(model):
-    """The full, plain weights: gathered from every rank's shards (a collective, so every rank
-    takes part), onto rank 0's CPU alone. They load into lesson 01's model."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
-
-
-def print_memory(memory, layout):
-    """Rank 0's table of the bytes each rank held after the last step (none: no step taken)."""
-    if not memory:
-        return
-    print(f"memory per rank ({layout}), bytes held after the last step:", flush=True)
-    print(f"{'rank':>4} {'parameters':>12} {'gradients':>12} {'optimizer':>12} "
-          f"{'peak':>12}", flush=True)
-    for r, row in enumerate(memory):
-        print(f"{r:>4} " + " ".join(f"{n:>12,}" if n >= 0 else f"{'n/a':>12}" for n in row),
-              flush=True)
-
-
-def memory_rows(memory):
-    """metrics.json's memory: one dict per rank."""
-    return [dict(zip(("parameters", "gradients", "optimizer_state", "peak"), row, strict=True))
-            for row in memory]
-
-
-def describe_run(args, device, resumed_after_epoch):
+def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
         "lesson": "07_sharding",
         "strategy": args.strategy,
         "hidden": args.hidden,
         "world_size": args.world_size,
-        "launcher": args.launcher,
-        "resumed_after_epoch": resumed_after_epoch,
+        "launcher": "torchrun" if dist.is_torchelastic_launched() else "spawn",
         "backend": args.backend,
         "device": device.type,
         "epochs": args.epochs,
@@ -499,42 +300,6 @@ def describe_run(args, device, resumed_after_epoch):
         "threads_per_rank": torch.get_num_threads(),
         "peak_memory_measure": "cuda_max_allocated" if device.type == "cuda" else "max_rss",
     }
-
-def worker(local_rank, args):
-    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
-    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
-    rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
-    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
-        main(rank, local_rank, args)
-        dist.destroy_process_group()
-
-
-def launch(args):
-    """Pick backend and port, then start the ranks; under torchrun, which started them, be one."""
-    args.start_time = time.time()
-    if started_by_torchrun():
-        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
-        # is one rank. The ranks of every node form one group, one mesh, one checkpoint.
-        args.launcher = "torchrun"
-        args.world_size = int(os.environ["WORLD_SIZE"])
-        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
-                                      "torchrun's --nproc-per-node")
-        check_sharding(args, latest_checkpoint)
-        worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
-        return
-    args.launcher = "spawn"
-    args.backend = choose_backend(args.backend, args.world_size)
-    check_sharding(args, latest_checkpoint)  # the width and any checkpoint: see the guard rails
-    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
-    check_master_port()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # Runs worker(rank, args) in world_size new processes, rank 0 .. world_size - 1.
-    with spawn_guard("rank", then=". Run it again to resume from the last checkpoint"):
-        start_ranks(worker, args=(args,), nprocs=args.world_size)
 
 
 def parse_args(argv=None):
@@ -557,12 +322,11 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a rank waits for the others before it stops with an error")
     parser.add_argument("--strategy", default="fsdp", choices=["ddp", "zero1", "fsdp"],
-                        help="ddp: everything on every rank; zero1: the optimizer state "
-                        "sharded; fsdp: parameters, gradients and optimizer state sharded")
+                        help="ddp: all of it on every rank; zero1: Adam's state sharded; fsdp: all")
     parser.add_argument("--hidden", type=int, default=64,
                         help="hidden units; 64 is lesson 01's model, thousands show memory")
-    return check_args(parser.parse_args(argv))
+    return guard_rails.check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    start(launch, parse_args, torchrun_ok=True)
+    guard_rails.start(main, parse_args, launch, torchrun_ok=True)

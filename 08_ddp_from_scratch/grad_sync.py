@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from guard_rails import fail
+import guard_rails
 
 GRAD_SYNC = ("after-backward", "flat", "overlap", "buckets", "ddp", "none")
 
@@ -121,8 +121,9 @@ class Buckets:
     def hook(self, param):
         name, slot = self.slots[param]
         if param in self.ready:  # a second backward would add to a gradient already sent
-            fail(f"{name}'s gradient hook fired twice before finish(): call finish() after "
-                 "every backward, or accumulate with --grad-sync after-backward or flat")
+            guard_rails.fail(f"{name}'s gradient hook fired twice before finish(): call "
+                             "finish() after every backward, or accumulate with --grad-sync "
+                             "after-backward or flat")
         self.ready.add(param)
         # Times 1/N while it is copied in, as DDP does: one pass, and before the sum.
         torch.mul(param.grad, 1 / dist.get_world_size(), out=slot)

@@ -1,12 +1,8 @@
 """Lesson 08: DDP from scratch: the gradient averaging that DDP does, written by hand.
 
-Lesson 02's program, with DistributedDataParallel replaced by the lesson's own gradient
-synchronisation, chosen by --grad-sync. The idea lives in grad_sync.py (read it first): an
-all-reduce per gradient after backward (after-backward), one all-reduce of every gradient
-copied into one buffer (flat), an all-reduce per gradient started by a hook the moment backward
-has produced it (overlap), or gradients gathered in buckets, each all-reduced the moment its
-last gradient is ready, as DDP's reducer does (buckets, the default). --grad-sync ddp runs DDP
-itself, and every mode ends on its weights.
+Lesson 02's program, with DistributedDataParallel replaced by the gradient synchronisation of
+grad_sync.py (read it first), chosen by --grad-sync: after-backward, flat, overlap or buckets,
+the default, as DDP's reducer does. --grad-sync ddp runs DDP itself; every mode ends on its weights.
 
 Run it:
     python 08_ddp_from_scratch/train.py                  # buckets; a rank per GPU, or 2 CPU ranks
@@ -21,183 +17,27 @@ import contextlib
 import datetime
 import json
 import os
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
+import guard_rails
+from data import load_data
 from grad_sync import GRAD_SYNC, make_grad_sync, plan_buckets
-from guard_rails import check_args, check_master_port, fail, rank_guard, spawn_guard, start
+from model import WineMLP
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup helpers
-# ---------------------------------------------------------------------------------------------
-def choose_backend(requested, world_size, flag="--world-size"):
-    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
-    gpus = torch.cuda.device_count()
-    if requested == "nccl":
-        if gpus == 0 or not dist.is_nccl_available():
-            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-        if world_size > gpus:
-            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
-                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
-        return "nccl"
-    if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
-        return "nccl"
-    if requested == "auto" and gpus > 0:
-        print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
-              "so the ranks train on the CPU with gloo")
-    return "gloo"
-
-
-def find_free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
-        return sock.getsockname()[1]
-
-
-def start_ranks(fn, args, nprocs):
-    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch and
-    scikit-learn once, not a fresh Python that imports them again (lesson 02's README)."""
-    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
-        return mp.spawn(fn, args=args, nprocs=nprocs)
-    # torch._dynamo: constructing DDP imports it (1.3 s); sklearn's modules load the wine data.
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "sklearn.datasets",
-                               "sklearn.model_selection", "sklearn.preprocessing"])
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def setup_process_group(rank, world_size, backend, timeout):
-    """Join the group of world_size processes; return this rank's device."""
-    # torchrun numbers the GPUs and shares the cores per node; mp.spawn's ranks are all on this
-    # one. Read only under torchrun: some clusters export LOCAL_RANK to every process.
-    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
-                               if dist.is_torchelastic_launched() else (rank, world_size))
-    if backend == "nccl":
-        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        # The ranks share the cores: each gets its share of threads, or they fight over them.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, cores // local_ranks))
-        device = torch.device("cpu")
-    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout),
-                            device_id=device if backend == "nccl" else None)
-    return device
-
-
-def cpu_state_dict(model):
-    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
-    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
-
-
-def save_atomically(obj, path):
-    # Write to a temporary file in the same folder, then rename it over the target: a crash in
-    # the middle of the write leaves the previous file intact instead of a half-written one.
-    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
-
-    tmp_path = f"{path}.tmp"
-    with save_or_fail(path, tmp_path):
-        with open(tmp_path, "wb") as f:
-            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
-                f.write(json.dumps(obj, indent=2).encode())
-            else:
-                torch.save(obj, f)
-        os.replace(tmp_path, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
-class WineDataset(Dataset):
-    def __init__(self, features, labels):
-        self.features = torch.as_tensor(features, dtype=torch.float32)
-        self.labels = torch.as_tensor(labels, dtype=torch.long)
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.features[index], self.labels[index]
-
-
-def load_data():
-    """The same 142 training and 36 test wines in every lesson."""
-    # Imported here, where it is used: from lesson 02 on, the process that starts the ranks
-    # loads no data, and so skips scikit-learn's import (about a second on a laptop).
-    from sklearn.datasets import load_wine
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    features, labels = load_wine(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(
-        features, labels, test_size=0.2, random_state=42, stratify=labels
-    )
-    # Fit the scaler on the training part only: the test wines must not leak into training.
-    scaler = StandardScaler().fit(x_train)
-    return (
-        WineDataset(scaler.transform(x_train), y_train),
-        WineDataset(scaler.transform(x_test), y_test),
-    )
-
-
-def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
-    # run the same number of steps (one step fewer would leave the others waiting forever).
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
-class WineMLP(nn.Module):
-    """13 measurements -> 64 hidden units -> 3 cultivars. The names fc1 and fc2 are the
-    checkpoint keys of every lesson, so any lesson's final.pt loads into this class.
-
-    layers > 1 puts hidden x hidden layers between fc1 and fc2: with --hidden 1024 --layers 4,
-    12.1 MiB of gradients, enough for buckets and overlap to matter."""
-
-    def __init__(self, in_features=13, hidden=64, classes=3, layers=1):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden)
-        self.hidden = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers - 1))
-        self.fc2 = nn.Linear(hidden, classes)
-
-    def forward(self, x):
-        x = F.relu(self.fc1(x))
-        for layer in self.hidden:
-            x = F.relu(layer(x))
-        return self.fc2(x)
-
-
-def build_model(args, device):
-    """The wine MLP, on this rank's device, and finish(), which averages its gradients."""
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
-    # The lesson (grad_sync.py): rank 0's weights to every rank, and the gradients averaged.
-    return make_grad_sync(model, args.grad_sync, args.bucket_mb)
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainer
+# The lesson: the training step, and how the data and the model come in
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 rank, world_size, finish, profile_step):
+                 finish, profile_step):
         self.model = model
         self.plain_model = model.module if isinstance(model, DDP) else model  # without DDP
         self.train_loader = train_loader
@@ -206,13 +46,10 @@ class Trainer:
         self.device = device
         self.save_every = save_every
         self.out_dir = out_dir
-        self.rank = rank
-        self.world_size = world_size
-        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
-        self.finish = finish
-        self.profile_step = profile_step
-        self.steps = 0  # optimizer steps taken
-        self.all_reduces = None  # gradient all-reduces in the last step, as finish() counts them
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
+        self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
+        self.finish, self.profile_step = finish, profile_step
+        self.steps, self.all_reduces = 0, None  # steps taken; finish()'s all-reduces in the last
 
     def train_step(self, features, labels):
         self.steps += 1
@@ -278,6 +115,22 @@ class Trainer:
         return losses
 
 
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, padded with repeats so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def build_model(args, device):
+    """The wine MLP, on this rank's device, and finish(), which averages its gradients."""
+    # Seed before building the model so the initial weights are the same on every run.
+    torch.manual_seed(args.seed)
+    model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
+    # The lesson (grad_sync.py): rank 0's weights to every rank, and the gradients averaged.
+    return make_grad_sync(model, args.grad_sync, args.bucket_mb)
+
+
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
@@ -290,8 +143,7 @@ def main(rank, args):
     model, finish = build_model(args, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, rank, args.world_size, finish, args.profile_step)
-
+                      args.out_dir, finish, args.profile_step)
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}): "
               f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
@@ -303,22 +155,22 @@ def main(rank, args):
     correct, total = trainer.evaluate()
     if not trainer.is_main_process:
         return  # every rank holds the same results; rank 0 alone writes them
-
-    samples_per_second = args.epochs * len(train_loader.sampler) * args.world_size / train_seconds
-    buckets = plan_buckets(trainer.plain_model, args.bucket_mb)
-    report_grad_sync(trainer, args, samples_per_second, buckets)
+    averaging = report_grad_sync(trainer, args, len(train_loader.sampler), train_seconds)
     save_atomically(cpu_state_dict(trainer.plain_model), os.path.join(args.out_dir, "final.pt"))
     results = {"train_loss": losses, "test_correct": correct, "test_total": total,
-               "test_accuracy": correct / total, "samples_per_second": samples_per_second,
-               "train_seconds": train_seconds, "wall_seconds": time.time() - start}
-    save_atomically(describe_run(args, trainer, device, buckets) | results,
+               "test_accuracy": correct / total, "train_seconds": train_seconds,
+               "wall_seconds": time.time() - start}
+    save_atomically(describe_run(args, device) | averaging | results,
                     os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "
           f"| results in {args.out_dir}", flush=True)
 
 
-def report_grad_sync(trainer, args, samples_per_second, buckets):
-    """Rank 0's lines on the averaging: the all-reduces of a step, and the buckets they sent."""
+def report_grad_sync(trainer, args, samples_per_rank, train_seconds):
+    """Rank 0's lines on the averaging: the all-reduces of a step, and the buckets they sent;
+    what metrics.json records of it."""
+    samples_per_second = args.epochs * samples_per_rank * args.world_size / train_seconds
+    buckets = plan_buckets(trainer.plain_model, args.bucket_mb)
     print(f"{samples_per_second:.0f} samples/s over all ranks, {trainer.steps} optimizer steps",
           flush=True)
     if args.grad_sync == "ddp":
@@ -332,20 +184,106 @@ def report_grad_sync(trainer, args, samples_per_second, buckets):
     if args.profile_step and args.profile_step > trainer.steps:
         print(f"note: --profile-step {args.profile_step} is past the last step "
               f"({trainer.steps}): no trace written", flush=True)
+    return {"samples_per_second": samples_per_second,
+            "all_reduces_per_step": trainer.all_reduces,  # None for ddp: DDP does not say
+            "buckets": [[name for name, _ in bucket] for bucket in buckets],  # the plan
+            "optimizer_steps": trainer.steps}
 
 
-def describe_run(args, trainer, device, buckets):
-    """What metrics.json records of the run beside its results: the lesson, its settings and
-    its averaging."""
+# =============================================================================================
+# Plumbing: how the lesson starts, saves and reads its flags. Every lesson ends with it, and only
+# the lesson that teaches a piece of it changes that piece: read it once, skip it after.
+# =============================================================================================
+def choose_backend(requested, world_size, flag="--world-size"):
+    """NCCL when every rank can have its own GPU, else gloo on the CPU."""
+    guard_rails.check_backend(requested, world_size, flag)  # --backend nccl that cannot work
+    if requested == "nccl" or (requested == "auto" and dist.is_nccl_available()
+                               and 0 < world_size <= torch.cuda.device_count()):
+        return "nccl"
+    return "gloo"
+
+
+def setup_process_group(rank, world_size, backend, timeout):
+    """Join the group of world_size processes; return this rank's device."""
+    # This machine's GPU and ranks: torchrun's (only under it: some clusters set LOCAL_RANK).
+    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+                               if dist.is_torchelastic_launched() else (rank, world_size))
+    if backend == "nccl":
+        # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        # The ranks share the cores: each gets its share of threads, or they fight over them.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, cores // local_ranks))
+        device = torch.device("cpu")
+    # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout),
+                            device_id=device if backend == "nccl" else None)
+    return device
+
+
+def worker(local_rank, main, args):
+    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
+    rank = int(os.environ["RANK"]) if dist.is_torchelastic_launched() else local_rank
+    with guard_rails.rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, args)
+        dist.destroy_process_group()
+
+
+def launch(main, args):
+    """Pick the backend and rank 0's port, then run main in world_size new processes."""
+    args.start_time = time.time()
+    if dist.is_torchelastic_launched():
+        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
+        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT.
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
+        return worker(int(os.environ["LOCAL_RANK"]), main, args)
+    args.backend = choose_backend(args.backend, args.world_size)
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(guard_rails.find_free_port()))
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # mp.spawn(worker, args=(main, args), nprocs=args.world_size): ranks 0 .. world_size - 1,
+    # each forked from a server that has imported torch and these once (lesson 02's README).
+    preload = ["torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+               "sklearn.preprocessing"]
+    with guard_rails.spawn_guard("rank"):
+        guard_rails.start_ranks(worker, (main, args), args.world_size, preload)
+
+
+def cpu_state_dict(model):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    return {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+
+
+def save_atomically(obj, path):
+    # Write to a temporary file in the same folder, then rename it over the target: a crash in
+    # the middle of the write leaves the previous file intact instead of a half-written one.
+    from guard_rails import save_or_fail  # a failed write (a full disk): one line, not a traceback
+
+    tmp_path = f"{path}.tmp"
+    with save_or_fail(path, tmp_path):
+        with open(tmp_path, "wb") as f:
+            if path.endswith(".json"):  # metrics.json: text, for people and plotting tools
+                f.write(json.dumps(obj, indent=2).encode())
+            else:
+                torch.save(obj, f)
+        os.replace(tmp_path, path)
+
+
+def describe_run(args, device):
+    """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
         "lesson": "08_ddp_from_scratch",
         "grad_sync": args.grad_sync,
         "bucket_mb": args.bucket_mb,
         "hidden": args.hidden,
         "layers": args.layers,
-        "all_reduces_per_step": trainer.all_reduces,  # None for ddp: DDP does not say
-        "buckets": [[name for name, _ in bucket] for bucket in buckets],  # the plan
-        "optimizer_steps": trainer.steps,
         "world_size": args.world_size,
         "backend": args.backend,
         "device": device.type,
@@ -355,34 +293,6 @@ def describe_run(args, trainer, device, buckets):
         "seed": args.seed,
         "threads_per_rank": torch.get_num_threads(),
     }
-
-
-def worker(rank, args):
-    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
-        main(rank, args)
-        dist.destroy_process_group()
-
-
-def launch(args):
-    args.start_time = time.time()
-    if dist.is_torchelastic_launched():
-        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
-        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT.
-        args.world_size = int(os.environ["WORLD_SIZE"])
-        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
-                                      "torchrun's --nproc-per-node")
-        return worker(int(os.environ["RANK"]), args)
-    args.backend = choose_backend(args.backend, args.world_size)
-    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
-    check_master_port()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # Runs worker(rank, args) in world_size new processes, rank 0 .. world_size - 1.
-    with spawn_guard("rank"):
-        start_ranks(worker, args=(args,), nprocs=args.world_size)
 
 
 def parse_args(argv=None):
@@ -405,11 +315,8 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a rank waits for the others before it stops with an error")
     parser.add_argument("--grad-sync", default="buckets", choices=GRAD_SYNC,
-                        help="how the ranks average their gradients. after-backward: an "
-                             "all-reduce per gradient after backward; flat: one of all gradients "
-                             "in one buffer; overlap: one per gradient, started during backward; "
-                             "buckets: one per bucket, as DDP does; ddp: DDP itself; none: no "
-                             "averaging, the control that shows the tests can fail")
+                        help="how the ranks average their gradients (grad_sync.py); ddp: DDP "
+                             "itself; none: no averaging, the control that shows tests can fail")
     parser.add_argument("--bucket-mb", type=float, default=25,
                         help="bucket size in MiB for buckets and ddp (DDP's bucket_cap_mb)")
     parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
@@ -418,19 +325,8 @@ def parse_args(argv=None):
     parser.add_argument("--profile-step", type=int,
                         help="write each rank's profile of this optimizer step (1 is the first) "
                              "as a Chrome trace, trace_rank<rank>.json in --out-dir")
-    return check_lesson_args(parser.parse_args(argv))
-
-
-def check_lesson_args(args):
-    """Every lesson's checks (check_args), then this lesson's flags."""
-    for name in ("hidden", "layers", "profile_step"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    if args.bucket_mb <= 0:
-        fail(f"--bucket-mb must be positive (got {args.bucket_mb:g})")
-    return check_args(args)
+    return guard_rails.check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    start(launch, parse_args, torchrun_ok=True)
+    guard_rails.start(main, parse_args, launch, torchrun_ok=True)

@@ -1,40 +1,19 @@
-"""Lesson 09's idea: tensor parallelism, each layer itself split across ranks, and the 2-D
-mesh that adds FSDP across it.
+"""Lesson 09's idea: tensor parallelism, each layer itself split across the ranks of a TP group,
+and FSDP across the groups: 2-D, on train.py's dp x tp device mesh.
 
-build_mesh makes the dp x tp device mesh; tensor_parallel_plan says how each linear layer is
-split (column-wise, then row-wise, pair after pair: Megatron-LM's layout); split_model applies
-that plan over "tp" with parallelize_module, then lesson 07's FSDP over "dp". The rest shows it
-at work: which wines each rank reads (show_who_reads_what) and the collectives of one step
-(count_collectives, print_collectives), beside what the plan predicts.
+tensor_parallel_plan says how each linear layer is split (column-wise, then row-wise, pair after
+pair: Megatron-LM's layout); split_model applies that plan over "tp" with parallelize_module,
+then lesson 07's FSDP over "dp". The rest shows it at work: which wines each rank reads
+(show_who_reads_what) and the collectives of one step (StepCollectives, print_collectives),
+beside what the plan predicts.
 """
 
-import datetime
+import contextlib
 
-import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-
-def build_mesh(dp, tp, device, timeout):
-    """The dp x tp device mesh: row d holds the tp ranks of TP group d, column t the dp ranks
-    that hold the same slices. With 2 x 2: TP groups [0, 1] and [2, 3], DP groups [0, 2], [1, 3].
-    A rank beyond the dp x tp ranks (the benchmark runs smaller meshes in a larger launch) makes
-    the groups too, and gets None."""
-    ranks = torch.arange(dp * tp).view(dp, tp)
-    groups = {}
-    # Every rank makes every group, in the same order, and keeps its own. Not init_device_mesh,
-    # which passes no timeout: its groups wait torch's default (gloo 30 minutes, NCCL 10).
-    for name, lines in (("dp", ranks.T), ("tp", ranks)):
-        for line in lines:
-            group = dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))
-            if dist.get_rank() in line:
-                groups[name] = group
-    if not groups:
-        return None
-    return DeviceMesh.from_group([groups["dp"], groups["tp"]], device.type, mesh=ranks,
-                                 mesh_dim_names=("dp", "tp"))
 
 
 def tensor_parallel_plan(model):
@@ -62,6 +41,25 @@ def split_model(model, mesh):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return model
+
+
+class StepCollectives:
+    """The collectives of the run's first step, by kind, forward and backward apart: counts is
+    {"forward": {"all-reduce": 1}, "backward": {}}, or None while no step has run."""
+
+    def __init__(self):
+        self.counts = None
+
+    @contextlib.contextmanager
+    def first_time(self, phase):
+        """Count the collectives of what runs inside, the first time only (CommDebugMode sees
+        every collective, a DTensor's and FSDP's, as it is issued)."""
+        if phase in (self.counts or {}):
+            yield
+            return
+        with CommDebugMode() as comms:
+            yield
+        self.counts = {**(self.counts or {}), phase: count_collectives(comms)}
 
 
 def count_collectives(comms):

@@ -17,7 +17,6 @@ Run it (on the CPU, over gloo; it starts its own --tp processes):
 import argparse
 import datetime
 import os
-import socket
 import sys
 
 import torch
@@ -35,6 +34,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+import guard_rails
 
 # The same sums, added in another order: float32 rounds them ~1e-7 apart. Far below this.
 TOLERANCE = 1e-5
@@ -232,33 +233,24 @@ def parse_args():
     # Checked before any rank starts: each rank holds whole heads and an equal slice.
     for flag in ("tp", "heads", "dim", "seq", "batch"):
         if getattr(args, flag) < 1:
-            sys.exit(f"error: --{flag} must be at least 1, not {getattr(args, flag)}")
+            guard_rails.fail(f"--{flag} must be at least 1, not {getattr(args, flag)}")
     for flag, value in (("--heads", args.heads), ("--seq", args.seq)):
         if value % args.tp:
-            sys.exit(f"error: --tp {args.tp} does not divide {flag} {value}: each rank holds "
-                     f"1/tp of the {flag[2:]}; use a --tp that divides {value}")
+            guard_rails.fail(f"--tp {args.tp} does not divide {flag} {value}: each rank holds "
+                             f"1/tp of the {flag[2:]}; use a --tp that divides {value}")
     if args.dim % args.heads:
-        sys.exit(f"error: --heads {args.heads} does not divide --dim {args.dim}")
+        guard_rails.fail(f"--heads {args.heads} does not divide --dim {args.dim}")
     return args
-
-
-def start_ranks(fn, args, nprocs):
-    """Lesson 02's start_ranks: mp.spawn(fn, args, nprocs), each rank forked from a server that
-    has imported this file, and with it torch and DTensor, once; spawn where fork is not safe."""
-    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
-        return mp.spawn(fn, args=args, nprocs=nprocs)
-    mp.set_forkserver_preload(["__main__"])  # this file and everything it imports
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def main():
     args = parse_args()
-    with socket.socket() as sock:
-        sock.bind(("", 0))  # port 0: the OS picks a free one
-        port = sock.getsockname()[1]
+    port = guard_rails.find_free_port()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # the ranks inherit it
     try:
-        start_ranks(run, (args,), args.tp)
+        # mp.spawn(run, (args,), nprocs=args.tp), each rank forked from a server that has
+        # imported this file, and with it torch and DTensor, once (lesson 02's README).
+        guard_rails.start_ranks(run, (args,), args.tp, preload=["__main__"])
     except mp.ProcessExitedException:
         sys.exit(1)  # a rank stopped: rank 0 has said why
 

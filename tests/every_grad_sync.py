@@ -4,10 +4,10 @@
     python tests/every_grad_sync.py OUT_DIR NAME [flags...] :: cases   # then grad_sync_cases.py
 
 Six lesson runs would pay the ranks' start-up (torch, scikit-learn, the process group) six times.
-Here the lesson's start_ranks starts the ranks once and each joins the process group once; then,
-for every group of flags and every mode in lesson.GRAD_SYNC, each rank calls the lesson's own
-main(), which writes into OUT_DIR/NAME/<mode>/ what `train.py --grad-sync <mode>` with those flags
-writes.
+Here the lesson's guard_rails.start_ranks starts the ranks once and each joins the process group
+once; then, for every group of flags and every mode in lesson.GRAD_SYNC, each rank calls the
+lesson's own main(), which writes into OUT_DIR/NAME/<mode>/ what `train.py --grad-sync <mode>`
+with those flags writes.
 Every group must ask for the same --world-size. Rank 0 prints "== NAME <mode>" before each run.
 A group named "cases", without flags, runs tests/grad_sync_cases.py's models on the same ranks
 (2 of them) instead, into OUT_DIR/cases.json.
@@ -33,12 +33,13 @@ import torch
 import torch.distributed as dist
 
 LESSON_DIR = Path(__file__).resolve().parent.parent / "08_ddp_from_scratch"
-sys.path.insert(0, str(LESSON_DIR))  # where train.py finds guard_rails.py
+sys.path.insert(0, str(LESSON_DIR))  # where train.py finds guard_rails.py, model.py, data.py
 spec = importlib.util.spec_from_file_location("lesson", LESSON_DIR / "train.py")
 lesson = importlib.util.module_from_spec(spec)
 sys.modules["lesson"] = lesson  # so that the ranks can unpickle the arguments
 spec.loader.exec_module(lesson)
 original_make_grad_sync = lesson.make_grad_sync
+guard_rails = lesson.guard_rails  # the lesson's own, beside its train.py
 
 
 def distance_from_rank_0(model):
@@ -53,7 +54,7 @@ def distance_from_rank_0(model):
 
 def run_every_mode(rank, groups, out_dir):
     first = groups[0][1]
-    with lesson.rank_guard(rank, first):
+    with guard_rails.rank_guard(rank, first):
         device = lesson.setup_process_group(rank, first.world_size, first.backend, first.timeout)
         lesson.setup_process_group = lambda *_: device  # joined once, above
         for name, args in groups:
@@ -104,9 +105,11 @@ def main():
     if len({args.world_size if args else 2 for _, args in groups}) != 1:
         sys.exit("error: every group of flags needs the same --world-size (2 with cases)")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(lesson.find_free_port()))
-    with lesson.spawn_guard("rank"):
-        lesson.start_ranks(run_every_mode, args=(groups, out_dir), nprocs=groups[0][1].world_size)
+    os.environ.setdefault("MASTER_PORT", str(guard_rails.find_free_port()))
+    with guard_rails.spawn_guard("rank"):
+        guard_rails.start_ranks(run_every_mode, (groups, out_dir), groups[0][1].world_size,
+                                ["torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+                                 "sklearn.preprocessing"])
 
 
 if __name__ == "__main__":

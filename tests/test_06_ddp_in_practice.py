@@ -284,8 +284,8 @@ def fp16_step_on_overflow(device, backend, store):
         torch.manual_seed(0)
         model = lesson.DDP(lesson.WineMLP().to(device))
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-        trainer = lesson.Trainer(model, None, None, optimizer, device, 1, None, 0, 1, 32, "fp16",
-                                 0.0, lambda step: 0.01)
+        trainer = lesson.Trainer(model, None, None, optimizer, device, 1, None, 32, "fp16", 0.0,
+                                 lambda step: 0.01)
         before = [p.detach().clone() for p in model.parameters()]
         scale = trainer.scaler.get_scale()
         features = torch.full((32, 13), 1e5, device=device)

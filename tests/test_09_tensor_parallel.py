@@ -279,19 +279,19 @@ def test_nodes_that_chose_different_backends_stop_in_one_line():
 
 # Three gloo ranks forked from one process build a 1 x 2 mesh: ranks 0 and 1 are its TP group,
 # rank 2 makes every group too (new_group's rule) and gets None, as the benchmark's ranks beyond
-# a smaller case's mesh do (benchmarks/bench/ranks.py calls build_mesh).
+# a smaller case's mesh do (benchmarks/bench/ranks.py calls build_mesh, in train.py's plumbing).
 BEYOND_THE_MESH = """
 import datetime, multiprocessing, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from tensor_parallel import build_mesh
+from train import build_mesh
 
 
 def rank(r, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=r, world_size=3, timeout=datetime.timedelta(seconds=60))
-    mesh = build_mesh(1, 2, torch.device("cpu"), 60)
+    mesh = build_mesh(torch.device("cpu"), 60, dp=1, tp=2)
     # One write per line: print writes its parts apart, and the ranks share one pipe.
     os.write(1, f"{r} {None if mesh is None else mesh['tp'].mesh.tolist()}\\n".encode())
     dist.barrier()

@@ -337,7 +337,7 @@ def check(rank):
     report = {}
     for case in (c for c in launch if c["case"] in ("tp", "2d")):
         dp, tp = cases.tensor_layout(case["case"], 4)
-        mesh = cases.lesson09().build_mesh(dp, tp, device, 60)
+        mesh = cases.lesson09().build_mesh(device, 60, dp=dp, tp=tp)
         _, held = cases.build_training_case({**case, "warmup": 1}, device, mesh)
         whole = [p.full_tensor() for p in trained[-1].parameters()]
         batches, helds = [None] * 4, [None] * 4

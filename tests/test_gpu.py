@@ -242,7 +242,8 @@ def test_lesson03_two_nodes_of_one_gpu_each(tmp_path):
 def test_lesson03_nccl_with_more_processes_than_gpus_is_refused(tmp_path):
     result = run_lesson("03_multi_node", "--backend", "nccl", "--nproc-per-node", GPUS + 1,
                         "--out-dir", tmp_path)
-    assert_one_line_error(result, f"needs {GPUS + 1} GPUs on each node", "--backend gloo")
+    assert_one_line_error(result, f"--nproc-per-node {GPUS + 1} with NCCL needs {GPUS + 1} GPUs",
+                          "--backend gloo")
 
 
 def test_lesson04_resumes_on_the_gpu_bitwise(lesson_run, tmp_path):

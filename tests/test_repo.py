@@ -166,8 +166,8 @@ def test_each_copy_holds_only_what_its_lesson_uses():
     # The aim of the split (issue "The diff is the lesson again"): lesson 01's copy at most 250
     # lines, every copy together at most 7,500; and a statement run at import only where its
     # comment's module is imported: lesson 10's pipelines silence NCCL's P2P warning, 11 does not.
-    lines = {lesson.name: len((lesson / "guard_rails.py").read_text().splitlines())
-             for lesson in LESSONS}
+    lines = {path.parent.name: len(path.read_text().splitlines())
+             for path in ROOT.glob("[0-9][0-9]_*/guard_rails.py")}  # every lesson folder's
     assert lines["01_single_gpu"] <= 250, lines
     assert sum(lines.values()) <= 7500, lines
     text = {lesson.name: (lesson / "guard_rails.py").read_text() for lesson in LESSONS}
@@ -236,6 +236,17 @@ SHARED_COPIES = {
 }
 
 
+# A lesson's module that a later lesson uses as it is: a copy, byte for byte (STYLE.md point 17).
+SHARED_MODULES = {"memory.py": ("07", "09"), "sharding.py": ("07", "09")}
+
+
+def test_a_module_a_later_lesson_reuses_is_the_same_file_in_both():
+    folders = {lesson.name[:2]: lesson for lesson in ROOT.glob("[0-9][0-9]_*/")}
+    for name, numbers in SHARED_MODULES.items():
+        texts = {(folders[n] / name).read_bytes() for n in numbers}
+        assert len(texts) == 1, f"{name} differs between lessons {', '.join(numbers)}"
+
+
 @pytest.mark.parametrize("name", sorted(SHARED_COPIES))
 def test_the_model_and_the_data_are_one_file_wherever_lessons_share_them(name):
     folders = {lesson.name[:2]: lesson for lesson in LESSONS}
@@ -281,11 +292,19 @@ def script_facts(script):
         if isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
             kind = keywords.get("type")
             facts["flags"][node.args[0].value] = kind.id if isinstance(kind, ast.Name) else None
-        elif isinstance(node.func, ast.Name) and node.func.id == "start":
+        elif called(node, "start"):
             facts["torchrun"] = keywords["torchrun_ok"].value
-        elif isinstance(node.func, ast.Name) and node.func.id == "restart_store":
+        elif called(node, "restart_store"):
             facts["restarts"] = True
     return facts
+
+
+def called(node, name):
+    """Whether the call node calls the guard rail name, as name(...) or guard_rails.name(...)."""
+    function = node.func
+    if isinstance(function, ast.Attribute) and isinstance(function.value, ast.Name):
+        return function.value.id == "guard_rails" and function.attr == name
+    return isinstance(function, ast.Name) and function.id == name
 
 
 FACTS = {lesson.name[:2]: script_facts(lesson / "train.py") for lesson in LESSONS}
@@ -398,8 +417,8 @@ SCRIPTS = [ROOT / "00_preflight" / "preflight.py", *(lesson / "train.py" for les
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda script: script.parent.name)
 def test_a_number_that_is_not_finite_gets_one_clear_line(script):
     # nan passes every "at least 1" or "positive" comparison, and inf every "positive" one: one
-    # rule in check_args refuses both (lesson 08's own check of --bucket-mb runs first, and lets
-    # them through to it). Every float flag, both values, through the script's own parse_args,
+    # rule in check_args refuses both (it checks lesson 08's --bucket-mb and --profile-step
+    # too, after this rule). Every float flag, both values, through the script's own parse_args,
     # in this process: a run each would spend 2 s importing torch. The test below runs one.
     spec = importlib.util.spec_from_file_location(f"nonfinite_{script.parent.name}", script)
     module = importlib.util.module_from_spec(spec)

@@ -11,6 +11,7 @@ import importlib.util
 import sys
 import warnings
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -36,11 +37,23 @@ PIPELINE_CASES = ("pipeline", "one-process")
 warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view")
 
 
+def lesson_folder_first(folder):
+    """Put a lesson's folder first on sys.path, where its train.py finds guard_rails.py,
+    model.py, data.py and its own modules, and forget the modules of those names that another
+    lesson's files left: each lesson has its own guard_rails.py (tests/helpers.py does alike)."""
+    for path in folder.glob("*.py"):
+        module = sys.modules.get(path.stem)
+        if module is not None and Path(getattr(module, "__file__", None) or "").parent != folder:
+            del sys.modules[path.stem]
+    if str(folder) in sys.path:
+        sys.path.remove(str(folder))
+    sys.path.insert(0, str(folder))
+
+
 @functools.cache
 def lesson08():
-    """Lesson 08's train.py as a module, imported as its tests import it: with the lesson's
-    folder on sys.path, where train.py finds guard_rails.py."""
-    sys.path.insert(0, str(LESSON08))
+    """Lesson 08's train.py as a module, imported as its tests import it."""
+    lesson_folder_first(LESSON08)
     spec = importlib.util.spec_from_file_location("lesson08_train", LESSON08 / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -49,9 +62,10 @@ def lesson08():
 
 @functools.cache
 def lesson09():
-    """Lesson 09's tensor_parallel.py as a module: build_mesh and split_model (torch only)."""
-    spec = importlib.util.spec_from_file_location("lesson09_tensor_parallel",
-                                                  LESSON09 / "tensor_parallel.py")
+    """Lesson 09's train.py as a module, imported as its tests import it: build_mesh (its
+    plumbing) and split_model (from its tensor_parallel.py)."""
+    lesson_folder_first(LESSON09)
+    spec = importlib.util.spec_from_file_location("lesson09_train", LESSON09 / "train.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -60,10 +74,9 @@ def lesson09():
 @functools.cache
 def lesson10(name="train"):
     """A file of lesson 10 as a module: train.py, or timeline.py (its bubble's instrument,
-    with bubble_report), imported with the lesson's folder on sys.path, where train.py finds
-    timeline.py and guard_rails.py (byte-identical to lesson 08's)."""
-    if str(LESSON10) not in sys.path:
-        sys.path.insert(0, str(LESSON10))
+    with bubble_report), imported with the lesson's folder first on sys.path, where train.py
+    finds timeline.py and its own guard_rails.py."""
+    lesson_folder_first(LESSON10)
     spec = importlib.util.spec_from_file_location(f"lesson10_{name}", LESSON10 / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

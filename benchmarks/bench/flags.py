@@ -16,9 +16,9 @@ KNOBS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "fp16_hook"
 # Lesson 07's strategies, measured next to DDP at every world size.
 SHARDED = ("zero1", "fsdp")
 # Lesson 09's layouts of the wine MLP, made by its own build_mesh and split_model
-# (09_tensor_parallel/tensor_parallel.py): tp, every rank of the world size in one TP group; 2d,
-# dp x tp with TP groups of TP_2D ranks and FSDP across them. ResNet-18 has none: the plan
-# splits Linear layers, not convolutions.
+# (09_tensor_parallel/train.py and its tensor_parallel.py): tp, every rank of the world size in
+# one TP group; 2d, dp x tp with TP groups of TP_2D ranks and FSDP across them. ResNet-18 has
+# none: the plan splits Linear layers, not convolutions.
 LESSON09 = COURSE / "09_tensor_parallel"
 TENSOR_PARALLEL = ("tp", "2d")
 TP_2D = 2

@@ -68,10 +68,7 @@ def leave_group(failed):
     """Leave the process group with the lessons' own guard_rails.leave_group: after a failure
     with NCCL it aborts the group, since destroying it would wait for collectives that no peer
     joins (its docstring says why); otherwise it destroys it."""
-    lesson08()  # puts lesson 08's folder, where guard_rails.py is, on sys.path
-    import guard_rails
-
-    guard_rails.leave_group(failed)
+    lesson08().guard_rails.leave_group(failed)  # the guard_rails.py beside lesson 08's train.py
 
 
 def slowest(seconds, device):
@@ -162,7 +159,8 @@ def make_groups(world_size, backend, cases, device, timeout):
         if case["case"] in TENSOR_PARALLEL:
             layout = tensor_layout(case["case"], case["world_size"])
             if layout not in meshes:
-                meshes[layout] = lesson09().build_mesh(*layout, device, timeout)
+                meshes[layout] = lesson09().build_mesh(device, timeout, dp=layout[0],
+                                                       tp=layout[1])
     return groups, subgroups, meshes
 
 
