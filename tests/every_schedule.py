@@ -7,6 +7,7 @@ OUT_DIR/NAME` writes. The flags are lesson 10's, but for two that this file read
   --lesson 08         the run is lesson 08's (08_ddp_from_scratch/train.py) instead
   --patch torch-loss  the control: torch's default loss handling (each micro-batch's mean loss,
                       and the library's scale_grads=True) in place of the lesson's loss_fn
+  --measure           the run is lesson 10's measure_bubble.py (its flags too) instead
 Two runs may share a NAME: the later one finds the earlier one's checkpoint and resumes it.
 
 Thirty lesson runs would pay the ranks' start-up (Python, torch, scikit-learn) thirty times. Here
@@ -35,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS = {"10": "10_pipeline_parallel", "08": "08_ddp_from_scratch"}
+LESSONS = {"10": "10_pipeline_parallel", "08": "08_ddp_from_scratch"}  # guard rails: 10's
 PATCHES = ("torch-loss",)
 WAIT = datetime.timedelta(seconds=600)  # the longest a rank waits for its run's port
 
@@ -52,6 +53,12 @@ def import_train(number):
 
 
 lesson = {number: import_train(number) for number in LESSONS}
+sys.modules["train"] = lesson["10"]  # what measure_bubble.py imports: lesson 10's train.py
+spec = importlib.util.spec_from_file_location("measure_bubble", ROOT / LESSONS["10"] /
+                                              "measure_bubble.py")
+lesson["measure"] = sys.modules["measure_bubble"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lesson["measure"])
+guard_rails = sys.modules["guard_rails"]  # lesson 10's, which lesson 08's train.py uses too
 
 
 def torch_default_loss(train):
@@ -85,22 +92,25 @@ def parse_run(words, out_dir):
     """(name, lesson number, patch, args as the lesson's launch() makes them for mp.spawn)."""
     name, *flags = words
     number, patch = "10", None
+    if "--measure" in flags:
+        flags.remove("--measure")
+        number = "measure"
     for option in ("--lesson", "--patch"):
         if option in flags:
             i = flags.index(option)
             value = flags[i + 1]
             del flags[i:i + 2]
             number, patch = (value, patch) if option == "--lesson" else (number, value)
-    if number not in LESSONS or patch not in (None, *PATCHES) or (patch and number != "10"):
+    if number not in (*LESSONS, "measure") or patch not in (None, *PATCHES) or (
+            patch and number != "10"):
         sys.exit(f"error: run {name}: --lesson {number} --patch {patch} is not one this file has")
     train = lesson[number]
     args = train.parse_args([*flags, "--out-dir", str(out_dir / name)])
     args.start_time = time.time()
-    if number == "10":
-        args.launcher = "spawn"
-        train.check_pipeline(args)  # --dp's default, and the flags' one-line errors
+    if number != "08":
+        guard_rails.check_pipeline(args)  # --dp's default, and the flags' one-line errors
         args.world_size = args.dp * args.stages
-    args.backend = train.choose_backend(args.backend, args.world_size)
+    args.backend = lesson["10"].choose_backend(args.backend, args.world_size)
     os.makedirs(args.out_dir, exist_ok=True)
     return name, number, patch, args
 
@@ -132,14 +142,11 @@ def run_everything(rank, runs, ranks, store_port, started):
                 name, number, patch, args = runs[i]
                 train = lesson[number]
                 if local == 0:
-                    store.set(f"port {i}", str(train.find_free_port()))
+                    store.set(f"port {i}", str(guard_rails.find_free_port()))
                     print(f"== {name} ({time.time() - started:.1f} s)", flush=True)
                 os.environ["MASTER_PORT"] = store.get(f"port {i}").decode()
                 replaced = torch_default_loss(train) if patch else None
-                if number == "10":
-                    train.main(local, local, args)
-                else:
-                    train.main(local, args)
+                train.main(local, args)
                 dist.destroy_process_group()
                 if replaced:
                     put_back(train, replaced)
@@ -155,9 +162,8 @@ def main():
     ranks = max(args.world_size for *_, args in runs)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=WAIT)
-    lesson["10"].start_ranks(run_everything, args=(runs, ranks, store.port, time.time()),
-                             nprocs=ranks)
-    sys.modules["guard_rails"].leave_quickly()  # the lessons' own: its fork server goes now
+    guard_rails.start_ranks(run_everything, (runs, ranks, store.port, time.time()), ranks)
+    guard_rails.leave_quickly()  # the lessons' own: its fork server goes now
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 and torchrun.
 
 Every schedule (afab by hand, GPipe, 1F1B, interleaved), at 1, 2 and 4 stages, takes the steps of
-lesson 08 in one process on the whole batch, and --dp 2 pipelines those of lesson 08 on 2 ranks;
+lesson 08 in one process on the whole batch, and so do the zero-bubble ones (zb1p, zbv, dualpipev),
+whose backward split in two split_backward.py proves by hand; --dp 2 pipelines those of lesson 08
+on 2 ranks;
 the control, torch's default loss handling, fails that comparison where padding makes the
 micro-batches unequal. Each rank runs its forwards and backwards in the order its schedule
-defines, checked against orders written out here. A resume ends bitwise on the run that never
+defines, checked against orders written out here (measure_bubble.py, which also measures the
+bubble beside the paper's). A resume ends bitwise on the run that never
 stopped, from another --stages and --schedule too. The GPU tier (NCCL) is at the end of this file.
 
 Some 30 runs would take 30 launches; instead tests/every_schedule.py starts 4 ranks once and
@@ -31,6 +34,7 @@ DEEP_TOLERANCE = 1e-5, for those runs only. Both are thousands of times below wh
 step moves (about the learning rate, 1e-2) and what the control moves (1.5e-2 in those 5
 epochs)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -72,8 +76,17 @@ ONE_STAGE = ["--stages", 1, "--layers", 3, "--batch-size", 142, "--microbatches"
 DP_PP = ["--dp", 2, "--stages", 2, "--batch-size", 72, "--microbatches", 2]
 # Batches of 48, 48 and 46 wines: the last padded to 48, so its micro-batches hold 24 and 22.
 PADDED = ["--stages", 2, "--layers", 3, "--batch-size", 48, "--microbatches", 2, "--epochs", 5]
-# The order of forwards and backwards: 8 micro-batches over 4 stages, one epoch (5 steps of 32).
-ORDER = ["--stages", 4, "--layers", 7, "--microbatches", 8, "--simulate-ms", 0, "--epochs", 1]
+# The order of forwards and backwards: 8 micro-batches over 4 stages, one epoch (5 steps of 32),
+# measure_bubble.py's run with no time simulated.
+ORDER = ["--measure", "--stages", 4, "--layers", 7, "--microbatches", 8, "--simulate-ms", 0,
+         "--epochs", 1]
+# The zero-bubble schedules, each against 1F1B, on 2 ranks: 4 micro-batches, dualpipev's least at
+# 2 stages (2 x 2), of a batch of 144, so that the one batch of 142 is padded by 2.
+ZERO_BUBBLE = ["zb1p", "zbv", "dualpipev"]
+ZB = ["--stages", 2, "--layers", 3, "--batch-size", 144, "--microbatches", 4]
+# The bubble measured: measure_bubble.py's 4 stages of 2 layers and 8 micro-batches, 40 ms a
+# layer for each of F, B and W; 3 steps of 64, the first left out.
+BUBBLE = ["--measure", "--batch-size", 64, "--simulate-ms", 40]
 # Lesson 01's model (fc1 | fc2, one layer a stage), for final.pt in lesson 01 and torchrun.
 LAYERS_1 = ["--stages", 2, "--layers", 1, "--microbatches", 2]
 # Interleaved on 2 stages with micro-batch counts that are no multiple of them, which torch's
@@ -89,8 +102,11 @@ RUNS = [  # (name, flags), in the order tests/every_schedule.py runs them
     ("relayout", ["--stages", 4, "--layers", 3, "--batch-size", 142, "--microbatches", 2,
                   "--schedule", "afab", "--epochs", 10]),
     *((f"2_stages_{s}", [*TWO_STAGES, "--schedule", s]) for s in SCHEDULES),
-    *((f"interleaved_m{m}", ["--stages", 2, "--layers", 3, "--schedule", "interleaved",
-                             "--simulate-ms", 0, *flags]) for m, flags in UNROUNDED.items()),
+    *((f"interleaved_m{m}", ["--measure", "--stages", 2, "--layers", 3, "--schedule",
+                             "interleaved", "--simulate-ms", 0, "--epochs", 20, *flags])
+      for m, flags in UNROUNDED.items()),
+    *((f"zb_{s}", [*ZB, "--schedule", s]) for s in ["1f1b", *ZERO_BUBBLE]),
+    *((f"bubble_{s}", [*BUBBLE, "--schedule", s]) for s in ["1f1b", "zb1p", "zbv"]),
     ("padded", PADDED),
     ("padded_torch_loss", [*PADDED, "--patch", "torch-loss"]),
     ("layers_1", LAYERS_1),
@@ -126,6 +142,10 @@ READS = {
     "test_each_rank_runs_the_order_its_schedule_defines": lambda schedule: {f"order_{schedule}"},
     "test_interleaved_takes_every_micro_batch_count_torch_does":
         lambda microbatches: {f"interleaved_m{microbatches}", "08_layers_3"},
+    "test_the_zero_bubble_schedules_take_the_steps_of_one_process":
+        lambda: {f"zb_{s}" for s in ["1f1b", *ZERO_BUBBLE]} | {"08_layers_3"},
+    "test_the_bubble_measured_is_the_papers_and_zero_bubble_holds_no_more":
+        lambda: {f"bubble_{s}" for s in ["1f1b", "zb1p", "zbv"]},
     "test_a_resume_ends_bitwise_on_the_run_that_never_stopped":
         lambda: {"resume", "2_stages_1f1b"},
     "test_a_checkpoint_loads_into_another_stages_and_schedule":
@@ -171,6 +191,11 @@ def runs(every_run):
     result, out_dir = every_run
     check_ok(result)
     return out_dir
+
+
+def read_bubble(out_dir):
+    """What measure_bubble.py's rank 0 wrote: the bubble, each rank's order and what it held."""
+    return json.loads((out_dir / "bubble.json").read_text())
 
 
 def assert_pipeline_run(out_dir, world_size, learned=True, **expected):
@@ -270,9 +295,8 @@ def test_the_orders_written_out_here_are_the_schedules():
 def test_each_rank_runs_the_order_its_schedule_defines(every_run, schedule):
     # gloo, 4 ranks, --simulate-ms 0: every forward and backward recorded, none slowed.
     folder = runs(every_run)
-    metrics = assert_pipeline_run(folder / f"order_{schedule}", 4, learned=False,
-                                  schedule=schedule)
-    report = metrics["schedule_report"]
+    assert_pipeline_run(folder / f"order_{schedule}", 4, learned=False, schedule=schedule)
+    report = read_bubble(folder / f"order_{schedule}")
     p, m = 4, 8
     assert len(report["order"]) == len(report["held"]) == p
     for stage, order in enumerate(report["order"]):
@@ -309,10 +333,8 @@ def test_interleaved_takes_every_micro_batch_count_torch_does(every_run, microba
     # divide (3), in torch's own plan, which each rank follows, still one process's steps.
     folder = runs(every_run)
     out_dir = folder / f"interleaved_m{microbatches}"
-    metrics = assert_pipeline_run(out_dir, 2, stages=2, schedule="interleaved",
-                                  microbatches=microbatches)
-    assert all(order["recorded"] == order["defined"]
-               for order in metrics["schedule_report"]["order"])
+    assert_pipeline_run(out_dir, 2, stages=2, schedule="interleaved", microbatches=microbatches)
+    assert all(order["recorded"] == order["defined"] for order in read_bubble(out_dir)["order"])
     assert max_weight_difference(out_dir, folder / "08_layers_3") < TOLERANCE
 
 
@@ -321,7 +343,7 @@ def test_the_simulated_clock_starts_when_the_gpus_stream_has_the_input(monkeypat
     # first waits for the stream (wait_for_device), or the bubble would read near 0 on GPUs.
     # Without a GPU: the stream is recorded, for a tensor on "cuda" and one on the CPU.
     import_lesson(LESSON)
-    timeline = sys.modules["timeline"]
+    import timeline  # measure_bubble.py's instrument, from the lesson's folder (now on sys.path)
     synced = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
         synchronize=lambda: synced.append(device)))
@@ -333,10 +355,74 @@ def test_the_simulated_clock_starts_when_the_gpus_stream_has_the_input(monkeypat
     monkeypatch.setattr(timeline, "wait_for_device", lambda t: waited.append((t.shape, events[:])))
     stage = torch.nn.Linear(2, 2)
     stage.layers = [stage]
-    timeline.simulate_compute(stage, 0, 0, events)
+    timeline.simulate_compute(stage, 0, events, 0, 0, 0)
     stage(torch.ones(3, 2)).sum().backward()
     assert [(shape, [e.kind for e in before]) for shape, before in waited] == [
-        ((3, 2), []), ((3, 2), ["F"])]
+        ((3, 2), []), ((3, 2), ["F"]), ((2, 2), ["F", "B"])]  # F, B, then W: the weight's
+
+
+# ---------------------------------------------------------------------------------------------
+# Zero bubble: the backward split in two, B (the input's gradient) and W (the weights')
+# ---------------------------------------------------------------------------------------------
+def test_b_then_w_by_hand_add_up_to_one_backward_and_the_controls_do_not():
+    # split_backward.py, as a learner runs it: float64, to the last bit; W left out and W run
+    # twice each differ (exit 0 only if all three hold).
+    result = subprocess.run([sys.executable, str(ROOT / LESSON / "split_backward.py")],
+                            capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                              **NO_GPUS})
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("B then W") and lines[0].endswith("largest difference 0")
+    assert "largest difference inf" in lines[1] and "W left out" in lines[1]
+    assert "W run twice" in lines[2] and not lines[2].endswith("largest difference 0")
+    assert all("input gradient equal: yes" in line for line in lines[:3])
+
+
+def test_the_zero_bubble_schedules_take_the_steps_of_one_process(every_run):
+    # gloo, 2 ranks: torch's ScheduleInterleavedZeroBubble (zb1p, a stage a rank),
+    # ScheduleZBVZeroBubble and ScheduleDualPipeV (2 stages a rank, in a V), their W apart from
+    # B, against lesson 08 in one process; and bitwise 1F1B's steps: W adds each micro-batch's
+    # weight gradient in the same order (micro-batch 0 first) that one backward does.
+    folder = runs(every_run)
+    for schedule in ["1f1b", *ZERO_BUBBLE]:
+        out_dir = folder / f"zb_{schedule}"
+        assert_pipeline_run(out_dir, 2, stages=2, schedule=schedule, microbatches=4)
+        assert max_weight_difference(out_dir, folder / "08_layers_3") < TOLERANCE, schedule
+        assert max_weight_difference(out_dir, folder / "zb_1f1b") == 0, schedule
+
+
+def test_the_bubble_measured_is_the_papers_and_zero_bubble_holds_no_more(every_run):
+    # gloo, 4 ranks, F = B = W = 40 ms a layer. The measured bubble is the paper's prediction
+    # plus what sending and Python cost between the sleeps (more for ZB-V, with twice the
+    # actions of half the length): never below it, and at most margin above it (1F1B
+    # (p - 1) / (m + p - 1) = 0.273; ZB-H1 (p - 1) / (3m + p - 1) = 0.111; ZB-V 0). Each
+    # zero-bubble schedule idles less than 1F1B, and holds no more activations at its peak:
+    # ZB-H1 p micro-batches on its busiest rank, as 1F1B; ZB-V 2p of its half-deep stages, p
+    # micro-batches' worth.
+    folder = runs(every_run)
+    report = {s: read_bubble(folder / f"bubble_{s}") for s in ["1f1b", "zb1p", "zbv"]}
+    p, m, margin = 4, 8, 0.2
+    assert report["1f1b"]["formula"] == pytest.approx((p - 1) / (m + p - 1))
+    assert report["zb1p"]["formula"] == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert report["zbv"]["formula"] == 0
+    for schedule, r in report.items():
+        assert r["steps"] == 2 and r["formula"] - 0.02 < r["measured"] < r["formula"] + margin, (
+            schedule, r["measured"], r["formula"])
+    assert report["zb1p"]["measured"] < report["1f1b"]["measured"]
+    assert report["zbv"]["measured"] < report["1f1b"]["measured"]
+    assert report["1f1b"]["held"] == [p - s for s in range(p)]
+    assert max(report["zb1p"]["held"]) == p and max(report["zbv"]["held"]) == 2 * p
+    # The split ran: a zero-bubble rank does other work between a micro-batch's B and its W;
+    # 1F1B's one backward runs W right after B, always.
+    for schedule, r in report.items():
+        deferred = False
+        for events in r["timeline"]:  # each rank's, in the order they ran
+            at = {(kind, stage, mb): i for i, (kind, stage, mb, *_) in enumerate(events)}
+            gaps = [at[("W", stage, mb)] - at[("B", stage, mb)] for kind, stage, mb, *_ in events
+                    if kind == "B"]
+            assert min(gaps) >= 1, schedule  # W never before its B
+            deferred |= max(gaps) > 1
+        assert deferred == (schedule != "1f1b"), schedule
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +444,8 @@ def test_a_checkpoint_loads_into_another_stages_and_schedule(every_run):
     metrics = assert_pipeline_run(folder / "relayout", 2, stages=2, schedule="interleaved",
                                   resumed_after_epoch=10)
     assert f"{folder / 'relayout' / 'checkpoint' / 'epoch_0010'}: 10 of 20 epochs done, " \
-        "written by --dp 1 --stages 4 --schedule afab" in result.stdout
+        "written by --schedule afab --stages 4 --dp 1 on 4 ranks, loaded by --schedule " \
+        "interleaved --stages 2 --dp 1 on 2" in result.stdout
     assert metrics["train_loss"] == read_metrics(folder / "2_stages_1f1b")["train_loss"]
     assert max_weight_difference(folder / "relayout", folder / "2_stages_1f1b") == 0
 
@@ -411,14 +498,30 @@ def test_layers_that_do_not_split_over_the_stages_get_one_line(tmp_path):
     (["--schedule", "interleaved", "--microbatches", 5, "--batch-size", 30],
      "--schedule interleaved runs the micro-batches in 2 equal rounds (--microbatches // "
      "--stages): --microbatches 5 does not split into them; use a multiple of 2, such as 4"),
-    (["--simulate-ms", -1], "--simulate-ms must be at least 0 (got -1)"),
+    # The zero-bubble schedules: zb1p's rounds are interleaved's; ZB-V and DualPipeV place two
+    # stages a rank, in a V; DualPipeV wants a micro-batch per stage.
+    (["--schedule", "zb1p", "--microbatches", 5, "--batch-size", 30],
+     "--schedule zb1p runs the micro-batches in 2 equal rounds"),
+    (["--schedule", "zbv", "--layers", 5],
+     "over --stages 2 x 2 chunks per rank (--schedule zbv) = 4 stages; use a --layers one less "
+     "than a multiple of 4, such as --layers 3"),
+    (["--schedule", "dualpipev", "--microbatches", 2],
+     "--schedule dualpipev needs at least one micro-batch per stage, 2 x --stages 2 = 4 (torch's "
+     "ScheduleDualPipeV refuses fewer): use --microbatches 4 or more"),
+    (["--measure", "--simulate-ms", -1], "--simulate-ms must be at least 0 (got -1)"),
+    (["--measure", "--weight-ms", -2], "--weight-ms must be at least 0 (got -2)"),
 ])
 def test_pipelines_that_cannot_work_get_one_line(flags, line):
-    # In-process, as launch() checks them (parse_args, then guard_rails.check_pipeline).
+    # In-process, as launch() checks them (parse_args, then guard_rails.check_pipeline);
+    # measure_bubble.py's own flags as its parse_args checks them.
     lesson = import_lesson(LESSON)
-    args = lesson.parse_args(list(map(str, flags)))
+    flags = list(map(str, flags))
     with pytest.raises(SystemExit) as stop:
-        lesson.check_pipeline(args)
+        if flags[0] == "--measure":
+            import measure_bubble  # from the lesson's folder, which import_lesson put first
+
+            measure_bubble.parse_args(flags[1:])
+        lesson.guard_rails.check_pipeline(lesson.parse_args(flags))
     assert stop.value.code.startswith("error: ") and "\n" not in stop.value.code
     assert line in stop.value.code
 
@@ -427,7 +530,7 @@ def test_a_pipeline_that_works_passes_the_checks():
     lesson = import_lesson(LESSON)
     for flags in (TWO_STAGES, FOUR_STAGES, [*FOUR_STAGES, "--schedule", "interleaved"], DP_PP):
         args = lesson.parse_args(list(map(str, flags)))
-        lesson.check_pipeline(args)
+        lesson.guard_rails.check_pipeline(args)
         assert args.dp == (2 if flags is DP_PP else max(1, GPUS // args.stages))
 
 
@@ -488,11 +591,13 @@ def test_gpu_nccl_warns_about_unbatched_sends_unless_switched_off():
 
 @needs_two
 @pytest.mark.gpu
-def test_gpu_the_simulated_bubble_is_measured_on_nccl(lesson_run):
+def test_gpu_the_simulated_bubble_is_measured_on_nccl(tmp_path):
     # Each layer sleeps 5 ms; without the wait for the stream, NCCL's recv would return at once
     # and every stage look busy all step: a bubble near 0. The formula here: 1/3.
-    result, out_dir = lesson_run(LESSON, "--backend", "nccl", *TWO_STAGES, "--simulate-ms", 5,
-                                 "--epochs", 2)
+    result = subprocess.run([sys.executable, str(ROOT / LESSON / "measure_bubble.py"), "--backend",
+                             "nccl", *map(str, TWO_STAGES), "--simulate-ms", "5", "--epochs", "2",
+                             "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                            timeout=300)
     check_ok(result)
-    report = read_metrics(out_dir)["schedule_report"]
+    report = read_bubble(tmp_path)
     assert report["measured"] > 0.5 * report["formula"], report["measured"]
