@@ -1,9 +1,8 @@
 """Lesson 09: tensor parallelism, for layers too large for one device, and 2-D with FSDP.
 
-Lesson 07's program, with each layer itself split over the --tp ranks of a TP group
-(tensor_parallel.py: fc1 column-wise, fc2 row-wise, one all-reduce; Megatron-LM's layout), and
---dp such groups reading different batches, with lesson 07's FSDP across them, on a dp x tp
-device mesh. TP alone takes one process's steps, 2-D those of DDP on --dp ranks. Every rank
+Lesson 07's program, with each layer split over the --tp ranks of a TP group (tensor_parallel.py:
+column-wise, then row-wise, Megatron-LM's layout) and lesson 07's FSDP across --dp such groups, on
+a dp x tp mesh: TP alone takes one process's steps, 2-D those of DDP on --dp ranks. Every rank
 saves its slices in --out-dir, and a run resumes from them with any --dp and --tp (so
 give each run its own --out-dir). torchrun starts it too, as in lesson 04.
 
@@ -64,13 +63,10 @@ class Trainer:
     def train_step(self, features, labels):
         self.optimizer.zero_grad(set_to_none=True)
         with self.collectives.first_time("forward"):  # counted in the run's first step
-            # TP: every rank of a TP group computes fc2's whole output, the logits, after one
-            # all-reduce of the partial sums, and so the same loss as one process would.
+            # Each row-wise layer all-reduces its partial sums: fc2 the logits, whole on every rank.
             loss = F.cross_entropy(self.model(features), labels)
         with self.collectives.first_time("backward"):
-            # Backward runs the pairs in reverse: a column-wise layer's input gradient is again a
-            # partial sum per rank, all-reduced (not fc1's: its input, the data, needs none).
-            # FSDP then reduce-scatters each slice's gradient over "dp": the TP groups' mean.
+            # A column-wise one's input gradient too (not fc1's); FSDP reduce-scatters over "dp".
             loss.backward()
         self.optimizer.step()
         return loss.detach()
@@ -96,8 +92,7 @@ class Trainer:
         dp_rank, dp = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
         features = self.test_set.features[dp_rank::dp].to(self.device)
         labels = self.test_set.labels[dp_rank::dp].to(self.device)
-        # Under FSDP every rank calls the model, even with no test wines: its forward gathers,
-        # and TP's all-reduces need every rank of the group too.
+        # Under FSDP every rank calls the model, even with no test wines: its forward gathers.
         predictions = self.model(features).argmax(dim=1)
         counts = torch.tensor([(predictions == labels).sum(), len(labels)], device=self.device)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=self.dp_group)
@@ -144,7 +139,8 @@ def build_model(args, device, mesh):
     # Seed before building the model so the initial weights are the same on every run.
     torch.manual_seed(args.seed)
     model = WineMLP(hidden=args.hidden, layers=args.layers).to(device)
-    return split_model(model, mesh)  # tensor_parallel.py
+    split_model(model, mesh)  # tensor_parallel.py
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,8 +180,8 @@ def main(rank, args):
     results = {"train_loss": losses, "test_correct": correct, "test_total": total,
                "test_accuracy": correct / total, "train_seconds": train_seconds,
                "wall_seconds": time.time() - start, "memory": memory_rows(memory),
-               "resumed_after_epoch": resumed_after_epoch,
-               "collectives_first_step": trainer.collectives.counts}
+               "collectives_first_step": trainer.collectives.counts,
+               "resumed_after_epoch": resumed_after_epoch}
     save_atomically(describe_run(args, device) | results,
                     os.path.join(args.out_dir, "metrics.json"))
     print(f"test accuracy: {correct}/{total} = {correct / total:.1%} "

@@ -1,13 +1,14 @@
 """Lesson 11's proof: ring attention, and the all-gather way, equal to full attention.
 
 It starts --cp ranks (gloo, on the CPU). Each holds its two chunks of one batch of random queries,
-keys and values, runs ring_attention and all_gather_attention forward and backward, and compares
-its part of the output and of the three gradients with full causal attention
-(F.scaled_dot_product_attention) on the whole sequence, in float64, where the only difference
-left is the order of the sums. Rank 0 prints the largest difference of each, then what it
-measured while they ran (Watch): the blocks each rank computes (its work) in the balanced and
-the unbalanced layout, how many of them the ring computes while a pass travels, and the most it
-holds at once of what the others sent it; and the bytes each way sends per rank.
+keys and values, runs ring_attention and all_gather_attention (below: the other way, torch's
+default) forward and backward, and compares its part of the output and of the three gradients
+with full causal attention (F.scaled_dot_product_attention) on the whole sequence, in float64,
+where the only difference left is the order of the sums. Rank 0 prints the largest difference
+of each, then what it measured while they ran (Watch): the blocks each rank computes (its work)
+in the balanced and the unbalanced layout, how many of them the ring computes while a pass
+travels, and the most it holds at once of what the others sent it; and the bytes each way sends
+per rank.
 
     python 11_context_parallel/prove_ring.py            # 2 ranks
     python 11_context_parallel/prove_ring.py --cp 4
@@ -28,9 +29,23 @@ import torch.nn.functional as F
 
 import ring_attention
 from guard_rails import spawn_guard
-from ring_attention import all_gather_attention, local_part
+from ring_attention import attend_chunks, local_part, sequence_chunks
 
 TOLERANCE = 1e-12  # float64: the same sums in another order differ by ~1e-15
+
+
+def all_gather_attention(q, k, v, group, balanced=True):
+    """The same attention, the other way: every rank gathers all keys and values (an all-gather
+    that autograd follows: its backward sends each rank's gradients home, summed), then attends
+    to them."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    gathered = [funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=group)
+                .chunk(cp, dim=0) for t in (k, v)]  # along the batch: [rank 0's, rank 1's, ...]
+    outs, lses = [None, None], [None, None]
+    for source in range(cp):
+        attend_chunks(outs, lses, q, sequence_chunks(rank, cp, balanced), gathered[0][source],
+                      gathered[1][source], sequence_chunks(source, cp, balanced))
+    return torch.cat(outs, dim=2)
 
 
 class Watch:

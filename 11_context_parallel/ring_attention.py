@@ -11,15 +11,13 @@ keys, and block_gradients is its backward. RingAttention is the autograd Functio
 forward starts sending the block of keys and values it holds to the next rank (ring_pass,
 batch_isend_irecv, which returns at once), attends to it while it travels, then waits for the
 previous rank's; backward passes the blocks around again, and each block's gradients after it,
-which come home to their rank after N passes. all_gather_attention is the other way, torch's
-default: gather every rank's keys and values, attend, and let autograd reduce.
+which come home to their rank after N passes.
 """
 
 import math
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 
 
 def sequence_chunks(rank, cp, balanced=True):
@@ -170,17 +168,3 @@ class RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, group, balanced=True):
     return RingAttention.apply(q, k, v, group, balanced)
-
-
-def all_gather_attention(q, k, v, group, balanced=True):
-    """The same attention, the other way: every rank gathers all keys and values (an all-gather
-    that autograd follows: its backward sends each rank's gradients home, summed), then attends
-    to them."""
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    gathered = [funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=group)
-                .chunk(cp, dim=0) for t in (k, v)]  # along the batch: [rank 0's, rank 1's, ...]
-    outs, lses = [None, None], [None, None]
-    for source in range(cp):
-        attend_chunks(outs, lses, q, sequence_chunks(rank, cp, balanced), gathered[0][source],
-                      gathered[1][source], sequence_chunks(source, cp, balanced))
-    return torch.cat(outs, dim=2)

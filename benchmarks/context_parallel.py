@@ -35,8 +35,10 @@ import torch.nn.functional as F
 
 LESSON = Path(__file__).resolve().parent.parent / "11_context_parallel"
 sys.path.insert(0, str(LESSON))
+import guard_rails  # noqa: E402  (lesson 11's own: start_ranks, find_free_port)
 import ring_attention  # noqa: E402  (lesson 11's idea, not a copy)
-import train as lesson11  # noqa: E402
+from data import VOCAB  # noqa: E402
+from model import TinyGPT  # noqa: E402
 
 SIZES = (1, 2, 4)  # CP group sizes; the run starts max(SIZES) ranks
 CASES = [("plain", 1), ("ring", 1), ("ring", 2), ("ring", 4)]  # attention, ranks sharing it
@@ -93,11 +95,11 @@ def attention_costs(way, length, cp, group):
 
 def make_step(way, length, cp, group, rank):
     """A function that runs one forward and backward of the tiny GPT on this rank's tokens."""
-    model = lesson11.TinyGPT(length, HEADS * HEAD_DIM, HEADS, LAYERS)
+    model = TinyGPT(length, HEADS * HEAD_DIM, HEADS, LAYERS)
     if way == "ring":
         model.use_cp_group(group)  # a group of 1 too: the ring's Function, with no passes
     generator = torch.Generator().manual_seed(0)  # the same sequence on every rank
-    ids = torch.randint(len(lesson11.VOCAB), (1, length + 1), generator=generator)
+    ids = torch.randint(len(VOCAB), (1, length + 1), generator=generator)
     inputs, targets = (ring_attention.local_part(t, rank, cp) for t in (ids[:, :-1], ids[:, 1:]))
     positions = ring_attention.local_part(torch.arange(length), rank, cp, dim=0)
 
@@ -181,7 +183,7 @@ def main():
     for length in args.seq_lens:
         if length % (2 * max(SIZES)):
             parser.error(f"--seq-lens: {length} does not split into 2 x {max(SIZES)} chunks")
-    lesson11.start_ranks(run, (args, lesson11.find_free_port()), max(SIZES))
+    guard_rails.start_ranks(run, (args, guard_rails.find_free_port()), max(SIZES))
 
 
 if __name__ == "__main__":

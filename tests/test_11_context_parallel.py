@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lesson():
-    """train.py, imported (nothing runs)."""
+    """train.py, imported (nothing runs); lesson.guard_rails is the guard_rails.py it imported."""
     return import_lesson(LESSON)
 
 
@@ -256,7 +256,7 @@ def no_gpus(monkeypatch):
 def launch_checks(lesson, argv):
     """What launch checks before any rank starts: parse_args (check_args), then the layout."""
     args = lesson.parse_args(argv)
-    lesson.check_context_parallel(args, lesson.load_data)
+    lesson.guard_rails.check_context_parallel(args, lesson.load_data)
     return args
 
 
@@ -324,7 +324,7 @@ def test_under_torchrun_dp_is_its_ranks_over_cp_or_one_line(lesson, monkeypatch)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     args = lesson.parse_args(["--cp", "2"])
     args.world_size = 8  # torchrun's WORLD_SIZE
-    lesson.check_context_parallel(args, lesson.load_data)
+    lesson.guard_rails.check_context_parallel(args, lesson.load_data)
     assert args.dp == 4
     for flags, world, says in (
             (["--cp", "2"], 7, "torchrun started 7 ranks, which do not make CP groups of --cp 2; "
@@ -334,7 +334,7 @@ def test_under_torchrun_dp_is_its_ranks_over_cp_or_one_line(lesson, monkeypatch)
         args = lesson.parse_args(flags)
         args.world_size = world
         with pytest.raises(SystemExit) as stop:
-            lesson.check_context_parallel(args, lesson.load_data)
+            lesson.guard_rails.check_context_parallel(args, lesson.load_data)
         assert stop.value.code.startswith("error: ") and says in stop.value.code
 
 
