@@ -8,6 +8,8 @@ Read it in this order:
     MoE.run_experts  with an EP group: counts, then rows, to the experts' ranks and back
     Exchange         the all-to-all, and its gradient: the same all-to-all the other way
     balance_loss     the Switch Transformer's load-balancing loss, per sequence
+    gather_experts   at the end, every expert's weights from the ranks that hold them
+    describe_load    the load line: the busiest expert, the busiest rank, the choices dropped
 
 One process (no EP group) runs the same lines; its exchanges just keep what they are given.
 """
@@ -149,3 +151,29 @@ class MoE(nn.Module):
         parts = received[by_expert].split(received_counts.view(ep, -1).sum(dim=0).tolist())
         outputs = torch.cat([expert(part) for expert, part in zip(mine, parts, strict=True)])
         return exchange(outputs[by_expert.argsort()], receive, send, group)
+
+
+def gather_experts(model, group):
+    """model's state dict, on the CPU, with every expert in it: each rank of the EP group sends
+    the others its experts (all_gather_object, a few kilobytes here); the rest it holds."""
+    mine = {name: t.detach().cpu() for name, t in model.state_dict().items()}
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, {n: t for n, t in mine.items() if ".experts." in n},
+                           group=group)
+    return {n: t for part in [mine, *every] for n, t in part.items()}
+
+
+def describe_load(load, args):
+    """load: [steps, blocks, experts], rows per expert. How much more than an even share the
+    busiest expert got, and the busiest rank of an EP group (the rows of its --experts / --ep
+    experts: the others wait for it), in the block where it is most; and the share of the
+    choices dropped by the capacity limit. With --dp > 1, load is summed over the EP groups.
+    args: the run's --ep, --batch-size, --seq-len and --top-k."""
+    load = torch.as_tensor(load)
+    per_expert = load.sum(dim=0).to(torch.float64)  # [blocks, experts]
+    per_rank = per_expert.view(len(per_expert), args.ep, -1).sum(dim=2)  # [blocks, EP ranks]
+    expert, rank = ((rows.max(dim=1).values / rows.mean(dim=1)).max()
+                    for rows in (per_expert, per_rank))
+    choices = load.shape[0] * args.batch_size * args.seq_len * args.top_k * load.shape[1]
+    return (f"busiest expert {expert:.2f}x its share, busiest rank {rank:.2f}x, "
+            f"{1 - per_expert.sum() / choices:.1%} dropped")

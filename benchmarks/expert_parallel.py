@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 LESSON = Path(__file__).resolve().parent.parent / "12_expert_parallel"
 sys.path.insert(0, str(LESSON))
-import train as lesson12  # noqa: E402
+import guard_rails  # noqa: E402  (lesson 12's own: start_ranks, find_free_port)
 from experts import MoE  # noqa: E402  (lesson 12's idea, not a copy)
 
 SIZES = (1, 2, 4)  # EP group sizes; the run starts max(SIZES) ranks
@@ -258,7 +258,7 @@ def main():
         args.seq_lens, args.rounds = [16, 64], 2
     if min(args.seq_lens) < 1 or args.batch < 1:
         parser.error("--seq-lens and --batch: at least 1")
-    lesson12.start_ranks(run, (args, lesson12.find_free_port()), max(SIZES))
+    guard_rails.start_ranks(run, (args, guard_rails.find_free_port()), max(SIZES))
 
 
 if __name__ == "__main__":

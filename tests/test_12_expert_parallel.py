@@ -74,7 +74,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lesson():
-    """train.py, imported (nothing runs); experts.py, which it imports, is sys.modules' experts."""
+    """train.py, imported (nothing runs); lesson.guard_rails is the guard_rails.py it imported,
+    and experts.py, which it imports, is sys.modules' experts."""
     return import_lesson(LESSON)
 
 
@@ -177,14 +178,14 @@ def test_each_experts_load_is_the_rows_it_ran(experts):
         assert (sum(ran) < 4 * 16 * top_k) == (factor > 0)  # a capacity here drops some
 
 
-def test_the_load_line_names_the_busiest_expert_and_the_busiest_rank(lesson):
+def test_the_load_line_names_the_busiest_expert_and_the_busiest_rank(experts):
     # One step of one block, 4 experts on 2 ranks: rows 172, 62 (rank 0) and 83, 83 (rank 1),
     # 400 choices, an even share 100 an expert and 200 a rank.
     args = SimpleNamespace(ep=2, batch_size=1, seq_len=200, top_k=2)
-    line = lesson.describe_load(torch.tensor([[[172, 62, 83, 83]]]), args)
+    line = experts.describe_load(torch.tensor([[[172, 62, 83, 83]]]), args)
     assert line == "busiest expert 1.72x its share, busiest rank 1.17x, 0.0% dropped"
     args.ep = 4  # one expert a rank: the two are the same
-    assert "busiest expert 1.72x its share, busiest rank 1.72x" in lesson.describe_load(
+    assert "busiest expert 1.72x its share, busiest rank 1.72x" in experts.describe_load(
         torch.tensor([[[172, 62, 83, 83]]]), args)
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ def no_gpus(monkeypatch):
 def launch_checks(lesson, argv):
     """What launch checks before any rank starts: parse_args (check_args), then the layout."""
     args = lesson.parse_args(argv)
-    lesson.check_expert_parallel(args, lesson.load_data)
+    lesson.guard_rails.check_expert_parallel(args, lesson.load_data)
     return args
 
 
@@ -374,7 +375,7 @@ def test_under_torchrun_dp_is_its_ranks_over_ep_or_one_line(lesson, monkeypatch)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     args = lesson.parse_args(["--ep", "2"])
     args.world_size = 8  # torchrun's WORLD_SIZE
-    lesson.check_expert_parallel(args, lesson.load_data)
+    lesson.guard_rails.check_expert_parallel(args, lesson.load_data)
     assert args.dp == 4
     for flags, world, says in (
             (["--ep", "4"], 6, "torchrun started 6 ranks, which do not make EP groups of --ep "
@@ -385,7 +386,7 @@ def test_under_torchrun_dp_is_its_ranks_over_ep_or_one_line(lesson, monkeypatch)
         args = lesson.parse_args(flags)
         args.world_size = world
         with pytest.raises(SystemExit) as stop:
-            lesson.check_expert_parallel(args, lesson.load_data)
+            lesson.guard_rails.check_expert_parallel(args, lesson.load_data)
         assert stop.value.code.startswith("error: ") and says in stop.value.code
 
 
