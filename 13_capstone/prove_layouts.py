@@ -33,8 +33,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
 import parallelize as lesson
-from guard_rails import spawn_guard
-from train import TinyGPT, Trainer, find_free_port, load_data, parallelize, start_ranks
+from guard_rails import find_free_port, spawn_guard, start_ranks
+from train import TinyGPT, Trainer, load_data, parallelize
 
 TIMEOUT = 120  # seconds any collective may wait, in the world group and every mesh's
 TOLERANCE = 1e-12  # float64: the same sums in another order differ by ~1e-14 after 2 steps
@@ -90,10 +90,10 @@ def one_process(batches, seq_len):
     torch.manual_seed(0)
     model = TinyGPT(seq_len)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    for batch in batches:
+    for inputs, targets in batches:
         optimizer.zero_grad()
-        logits = model(batch[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        logits = model(inputs)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
     return {name: p.detach() for name, p in model.named_parameters()}
@@ -134,12 +134,12 @@ def run_layout(mesh, batches, seq_len, kind):
     with mistake(kind):
         schedule = parallelize(model, mesh, torch.device("cpu"), args)
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-        trainer = Trainer(model, schedule, None, optimizer, torch.device("cpu"), args,
-                          dist.get_rank(), mesh)
+        trainer = Trainer(model, None, None, optimizer, torch.device("cpu"), args.save_every,
+                          args.out_dir, mesh, schedule, args.max_norm)
         fsdp_calls = watch_fsdp(model)
         dp_rank = mesh["dp"].get_local_rank()
-        for batch in batches:  # this dp rank's sequences: every dp-th one
-            trainer.train_step(batch[dp_rank::dp])
+        for inputs, targets in batches:  # this dp rank's sequences: every dp-th one
+            trainer.train_step(inputs[dp_rank::dp], targets[dp_rank::dp])
     return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
             for name, p in model.named_parameters()}, fsdp_calls
 
@@ -152,7 +152,8 @@ def each_rank(rank, port, seq_len):
     torch.set_default_dtype(torch.float64)
     train_set, _ = load_data(seq_len)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))
-    batches = [train_set.tensors[0][order[s * BATCH:(s + 1) * BATCH]] for s in range(STEPS)]
+    batches = [[t[order[s * BATCH:(s + 1) * BATCH]] for t in train_set.tensors]
+               for s in range(STEPS)]
     reference = one_process(batches, seq_len)
     found = []  # (layout, caught by a control?, parameter names this rank compared, difference)
     fsdp = []  # on the layouts with dp 2: (layout, rank, forwards, forwards FSDP got right)

@@ -1,14 +1,15 @@
 """Lesson 13, the capstone: one tiny GPT trained with FSDP x TP x PP on one device mesh.
 
-Lesson 11's program, its tiny GPT now trained with three kinds of parallelism at once, each a
-dimension of one (pp, dp, tp) mesh of ranks (parallelize.py, read it first): --pp stages each
-keep their share of the blocks (lesson 10), --tp ranks split each stage's weights by heads and by
-hidden units, with the sequence split over them between (lesson 09), and --dp copies of that
-pipeline read different sequences, their weights sharded by FSDP (lesson 07). The default,
+Lesson 11's program, its tiny GPT (model.py) now trained with three kinds of parallelism at once,
+each a dimension of one (pp, dp, tp) mesh of ranks (parallelize.py, read it first): --pp stages
+each keep their share of the blocks (lesson 10), --tp ranks split each stage's weights by heads
+and by hidden units, with the sequence split over them between (lesson 09), and --dp copies of
+that pipeline read different sequences, their weights sharded by FSDP (lesson 07). The default,
 --dp 2 --pp 2 --tp 2, is 8 ranks: a small cluster's layout, on a laptop. Every layout takes one
-process's steps; the checkpoint loads into any layout, and into one process.
+process's steps; the checkpoint loads into any layout, and into one process (so give each
+run its own --out-dir, or it resumes the finished checkpoint of the one before).
 
-Run it (each run its own --out-dir, or it resumes the finished checkpoint of the one before):
+Run it:
     python 13_capstone/train.py                                            # 8 ranks: 2 x 2 x 2
     python 13_capstone/train.py --dp 1 --pp 1 --tp 1 --out-dir runs/13_one  # one process
     torchrun --standalone --nproc-per-node 4 13_capstone/train.py --pp 2 --tp 2 --out-dir runs/13_t
@@ -16,44 +17,19 @@ Run it (each run its own --out-dir, or it resumes the finished checkpoint of the
 
 import argparse
 import datetime
-import glob
 import json
 import os
-import random
-import shutil
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from guard_rails import (
-    agree_on_checkpoint,
-    check_args,
-    check_backends_agree,
-    check_layout,
-    check_master_port,
-    check_sharding,
-    fail,
-    rank_guard,
-    restart_store,
-    sharded_save_or_fail,
-    spawn_guard,
-    start,
-    started_by_torchrun,
-)
+import guard_rails
+from data import load_data
+from model import TinyGPT, complete, loss_sum, validation_loss
 from parallelize import (
     build_mesh,
     clip_whole_model,
@@ -62,71 +38,268 @@ from parallelize import (
     shard_data_parallel,
     tensor_parallel,
 )
+from sharding import latest_checkpoint, load_sharded, save_sharded
 
 
 # ---------------------------------------------------------------------------------------------
-# Setup helpers
+# The lesson: the training step, and how the data and the model come in
 # ---------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, model, train_loader, val_set, optimizer, device, save_every, out_dir,
+                 mesh, schedule, max_norm):
+        self.model = model
+        self.train_loader = train_loader
+        self.val_set = val_set
+        self.optimizer = optimizer
+        self.device = device
+        self.save_every = save_every
+        self.out_dir = out_dir
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
+        self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
+        self.mesh = mesh
+        # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
+        self.adam = getattr(optimizer, "optim", optimizer)
+        self.schedule, self.max_norm = schedule, max_norm  # the pipeline's, and the clip's
+        self.first, self.last = model.tokens is not None, model.head is not None  # the stage's ends
+        # The last stage's ranks know the loss; one per TP group counts it, once.
+        self.counts_loss = self.last and mesh["tp"].get_local_rank() == 0
+        # Where training stands: what a checkpoint saves and a resume restores.
+        self.checkpoint_dir = os.path.join(out_dir, "checkpoint")
+        self.epochs_completed, self.losses = 0, []
+
+    def train_step(self, inputs, targets):
+        self.optimizer.zero_grad(set_to_none=True)
+        # This dp rank's sequences, micro-batch by micro-batch through the stages: the first
+        # feeds the characters in, the last gives its scores to loss_fn, and here the losses.
+        losses = []
+        self.schedule.step(*[inputs] if self.first else [],
+                           target=targets if self.last else None, losses=losses)
+        clip_whole_model(self.model.parameters(), self.max_norm, self.mesh["pp"].get_group())
+        self.optimizer.step()
+        return sum(loss.detach() for loss in losses) * targets.numel() if losses else 0.0
+
+    def train_epoch(self, epoch):
+        self.model.train()
+        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, tokens]
+        for inputs, targets in self.train_loader:
+            loss = self.train_step(inputs.to(self.device), targets.to(self.device))
+            if self.counts_loss:
+                totals[0] += loss
+                totals[1] += targets.numel()
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank's tokens, counted once
+        return (totals[0] / totals[1]).item()
+
+    @torch.no_grad()
+    def evaluate(self, model, weights):
+        """The mean loss over every validation token."""
+        model.load_state_dict(weights)  # one process's model, on rank 0 alone
+        model.to(self.device).eval()
+        return validation_loss(model, *(t.to(self.device) for t in self.val_set.tensors))
+
+    def save_checkpoint(self, epoch):
+        # Every rank: each holds shards that no other has (sharding.py).
+        save_sharded(self.checkpoint_dir, self.model, self.adam,
+                     {"epochs_completed": epoch + 1, "train_loss": self.losses,
+                      **{name: self.mesh[name].size() for name in ("dp", "pp", "tp")}})
+
+    def train(self, max_epochs):
+        losses = self.losses  # after a resume, those of the epochs the checkpoint holds
+        for epoch in range(self.epochs_completed, max_epochs):  # none repeated, none skipped
+            start = time.perf_counter()
+            loss = self.train_epoch(epoch)
+            losses.append(loss)
+            if self.is_main_process:
+                print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
+                      f"| {time.perf_counter() - start:.3f} s", flush=True)
+            if (epoch + 1) % self.save_every == 0 or epoch + 1 == max_epochs:
+                self.save_checkpoint(epoch)
+        return losses
+
+
+def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
+    # Each rank gets a disjoint slice of one seeded shuffle, cut to the same length so that all
+    # run the same number of steps (one step fewer would leave the others waiting forever).
+    # Whole batches only (drop_last): every step's mean is over the global batch's tokens.
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed,
+                                 drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+def loader_per_pipeline(train_set, mesh, args):
+    """The sampler deals sequences to the pipelines (by dp rank), not to the ranks: a pipeline's
+    pp and tp ranks each take their part of the same sequences, so they must read the same ones."""
+    dp_rank = mesh["dp"].get_local_rank()
+    train_loader = prepare_dataloader(train_set, args.batch_size // args.dp, args.seed, dp_rank,
+                                      args.dp)  # --batch-size: the global batch, in all groups
+    return train_loader
+
+
+def build_model(args, device, mesh):
+    """The tiny GPT on this rank's device, its part of it (parallelize) and their schedule."""
+    # Seed before building the model so the initial weights are the same on every run.
+    torch.manual_seed(args.seed)
+    model = TinyGPT(args.seq_len, args.dim, args.heads, args.layers).to(device)
+    schedule = parallelize(model, mesh, device, args)
+    return model, schedule
+
+
+def parallelize(model, mesh, device, args):
+    """This rank's part of the model, in the order that works (parallelize.py): its stage, split
+    by TP, sharded by FSDP, in a pipeline schedule."""
+    tokens = args.batch_size // args.dp * args.seq_len  # this dp rank's, in each step
+
+    def loss_fn(logits, targets):
+        # Each micro-batch's share of the mean over this dp rank's tokens; FSDP then averages
+        # the dp ranks' gradients, so each step takes the whole global batch's mean.
+        return loss_sum(logits, targets) / tokens  # model.py
+
+    keep_stage(model, mesh["pp"].get_local_rank(), args.pp)
+    if args.tp > 1:
+        tensor_parallel(model, mesh["tp"])
+    shard_data_parallel(model, mesh["dp"])
+    return pipeline_schedule(model, mesh, device, args.schedule, args.microbatches, loss_fn)
+
+
+def bytes_held(model, optimizer):
+    """What this rank holds, in bytes: its pieces of the weights, of their gradients (from the
+    last step) and of Adam's two running averages (of a sharded tensor, a DTensor, its shard)."""
+    def local_bytes(tensors):
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    return {"weights": local_bytes(model.parameters()),
+            "gradients": local_bytes(p.grad for p in model.parameters()),
+            "optimizer": local_bytes(state)}
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def main(rank, args):
+    device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
+    if args.float64:  # the proofs: float32 rounds each layout's sums apart, Adam amplifies it
+        torch.set_default_dtype(torch.float64)
+    mesh = build_mesh(device.type, args.dp, args.pp, args.tp, args.timeout)  # parallelize.py
+    train_set, val_set = load_data(args.seq_len)
+    train_loader = loader_per_pipeline(train_set, mesh, args)
+
+    model, schedule = build_model(args, device, mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    trainer = Trainer(model, train_loader, val_set, optimizer, device, args.save_every,
+                      args.out_dir, mesh, schedule, args.max_norm)
+    resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
+    if trainer.is_main_process:
+        print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
+              f"x --pp {args.pp} x --tp {args.tp}, {len(train_set)} train / {len(val_set)} "
+              f"validation sequences of {args.seq_len} characters, {args.batch_size} per step",
+              flush=True)
+    train_start = time.perf_counter()
+    losses = trainer.train(args.epochs)
+    train_seconds = time.perf_counter() - train_start
+    every = [None] * args.world_size  # what each rank holds, for the table in metrics.json
+    dist.all_gather_object(every, bytes_held(model, optimizer))
+    weights = cpu_state_dict(model, mesh)  # a collective: every rank takes part
+    if not trainer.is_main_process:
+        return  # rank 0 holds every result now; it alone writes them
+    save_atomically(weights, os.path.join(args.out_dir, "final.pt"))
+    model = TinyGPT(args.seq_len, args.dim, args.heads, args.layers)  # all of it: the weights'
+    val_loss = trainer.evaluate(model, weights)
+    samples = {p: complete(model, p, args.seq_len, device) for p in ("3+4=", "8+9=", "0+6=")}
+    steps = (args.epochs - resumed_after_epoch) * len(train_loader)
+    results = {"train_loss": losses, "val_loss": val_loss, "samples": samples,
+               "bytes_per_rank": every, "wall_seconds": time.time() - args.start_time,
+               "tokens_per_second": steps * args.batch_size * args.seq_len / train_seconds,
+               "train_seconds": train_seconds, "resumed_after_epoch": resumed_after_epoch}
+    save_atomically(describe_run(args, device) | results,
+                    os.path.join(args.out_dir, "metrics.json"))
+    print("samples: " + " | ".join(f"{p}{s}" for p, s in samples.items()), flush=True)
+    print(f"validation loss: {val_loss:.4f} "
+          f"| results in {args.out_dir}", flush=True)
+
+
+# =============================================================================================
+# Plumbing: how the lesson starts, saves and reads its flags. Every lesson ends with it, and only
+# the lesson that teaches a piece of it changes that piece: read it once, skip it after.
+# =============================================================================================
 def choose_backend(requested, world_size, flag="--world-size"):
     """NCCL when every rank can have its own GPU, else gloo on the CPU."""
-    gpus = torch.cuda.device_count()
-    if requested == "nccl":
-        if gpus == 0 or not dist.is_nccl_available():
-            fail("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-        if world_size > gpus:
-            fail(f"{flag} {world_size} with NCCL needs {world_size} GPUs (one per rank), "
-                 f"but {gpus} visible; use {flag} {gpus} or --backend gloo")
+    guard_rails.check_backend(requested, world_size, flag)  # --backend nccl that cannot work
+    if requested == "nccl" or (requested == "auto" and dist.is_nccl_available()
+                               and 0 < world_size <= torch.cuda.device_count()):
         return "nccl"
-    if requested == "auto" and 0 < world_size <= gpus and dist.is_nccl_available():
-        return "nccl"
-    if requested == "auto" and gpus > 0 and os.environ.get("RANK", "0") == "0":  # torchrun: once
-        print(f"note: {world_size} ranks but {gpus} GPU(s); NCCL needs one GPU per rank, "
-              "so the ranks train on the CPU with gloo")
     return "gloo"
 
 
-def find_free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))  # port 0: the OS picks a free one, so two jobs never both take 29500
-        return sock.getsockname()[1]
-
-
-def start_ranks(fn, args, nprocs):
-    """mp.spawn(fn, args, nprocs), each rank forked from a server that has imported torch once,
-    not a fresh Python that imports it again (lesson 02's README)."""
-    if sys.platform != "linux":  # macOS and Windows: spawn, Python's default there
-        return mp.spawn(fn, args=args, nprocs=nprocs)
-    mp.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.checkpoint",
-                               "torch.distributed.fsdp", "torch.distributed.pipelining"])
-    return mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
-
-
-def setup_process_group(rank, local_rank, world_size, backend, timeout):
+def setup_process_group(rank, world_size, backend, timeout):
     """Join the group of world_size processes; return this rank's device."""
+    # This machine's GPU and ranks: torchrun's (only under it: some clusters set LOCAL_RANK).
+    local_rank, local_ranks = ((int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
+                               if dist.is_torchelastic_launched() else (rank, world_size))
     if backend == "nccl":
         # Pin each rank to its own GPU before anything touches CUDA, or all of them use GPU 0.
-        # The local rank picks it: under torchrun on several nodes, each numbers its GPUs from 0.
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         # The ranks share the cores: each gets its share of threads, or they fight over them.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        # Under torchrun, LOCAL_WORLD_SIZE of them share this machine (only torchrun's counts).
-        ranks_here = int(os.environ["LOCAL_WORLD_SIZE"]) if started_by_torchrun() else world_size
-        torch.set_num_threads(max(1, cores // ranks_here))
+        torch.set_num_threads(max(1, cores // local_ranks))
         device = torch.device("cpu")
     # Meet rank 0 at MASTER_ADDR:MASTER_PORT; timeout bounds this wait and every collective after.
     dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            store=restart_store(rank, world_size, timeout),  # torchrun restarts
+                            store=guard_rails.restart_store(rank, world_size, timeout),  # restarts
                             timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
 
 
-def local_bytes(tensors):
-    """Bytes of the tensors as this rank holds them: of a sharded one (a DTensor), its shard."""
-    tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def worker(local_rank, main, args):
+    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
+    rank = int(os.environ["RANK"]) if dist.is_torchelastic_launched() else local_rank
+    with guard_rails.rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
+        main(rank, args)
+        dist.destroy_process_group()
+
+
+def launch(main, args):
+    """Pick the backend and rank 0's port, then run main in world_size new processes."""
+    args.start_time = time.time()
+    if dist.is_torchelastic_launched():
+        # torchrun started this process as one rank and set RANK, LOCAL_RANK, WORLD_SIZE,
+        # LOCAL_WORLD_SIZE (the ranks on this machine), MASTER_ADDR and MASTER_PORT.
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        guard_rails.check_layout(args)  # --dp (default: WORLD_SIZE / (--pp x --tp))
+        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
+                                      "torchrun's --nproc-per-node")
+        guard_rails.check_backends_agree(args.backend, args.timeout)  # every node chose the same
+        guard_rails.check_sharding(args, latest_checkpoint)
+        return worker(int(os.environ["LOCAL_RANK"]), main, args)
+    guard_rails.check_layout(args)  # the model splits over this layout: heads, layers, tokens
+    args.world_size = args.dp * args.pp * args.tp
+    args.backend = choose_backend(args.backend, args.world_size, "--dp x --pp x --tp")
+    guard_rails.check_sharding(args, latest_checkpoint)  # the width and any checkpoint
+    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(guard_rails.find_free_port()))
+    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
+          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
+    # mp.spawn(worker, args=(main, args), nprocs=args.world_size): ranks 0 .. world_size - 1,
+    # each forked from a server that has imported torch and these once (lesson 02's README).
+    preload = ["torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+               "torch.distributed.pipelining"]
+    with guard_rails.spawn_guard("rank", then=". Run it again to resume from the last checkpoint"):
+        guard_rails.start_ranks(worker, (main, args), args.world_size, preload)
+
+
+def cpu_state_dict(model, mesh):
+    # As CPU tensors the weights load on any machine as they are, with a GPU or without.
+    # Whole: each stage's gathered over its dp and tp ranks (full_tensor), then the stages'.
+    mine = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            for name, t in model.state_dict().items()}
+    stages = [None] * mesh["pp"].size()
+    dist.all_gather_object(stages, mine, group=mesh["pp"].get_group())
+    return {name: t for stage in stages for name, t in stage.items()}
 
 
 def save_atomically(obj, path):
@@ -144,325 +317,19 @@ def save_atomically(obj, path):
         os.replace(tmp_path, path)
 
 
-def latest_checkpoint(checkpoint_dir):
-    """The newest finished checkpoint folder, or None: a save writes checksums.json last of all,
-    after dcp.save's .metadata (guard_rails.py, record_checksums)."""
-    finished = sorted(glob.glob(os.path.join(checkpoint_dir, "epoch_*", "checksums.json")))
-    return os.path.dirname(finished[-1]) if finished else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Data: lines of sums, a character at a time
-# ---------------------------------------------------------------------------------------------
-VOCAB = "0123456789+=\n"  # every character the text holds
-
-
-def make_text(lines, seed):
-    """lines of "a+b=c" with a and b from 0 to 9: text every learner has, made here, the same
-    on every machine and every Python (a corpus shipped with Python changes between versions)."""
-    pick = random.Random(seed)
-    return "".join(f"{a}+{b}={a + b}\n" for a, b in
-                   ((pick.randrange(10), pick.randrange(10)) for _ in range(lines)))
-
-
-def load_data(seq_len):
-    """Training and validation sequences of seq_len + 1 characters (inputs and the next
-    character to predict), cut from two texts of the same sums in different random orders; the
-    same in every lesson run."""
-    def windows(text):
-        ids = torch.tensor([VOCAB.index(c) for c in text])
-        count = (len(ids) - 1) // seq_len
-        return TensorDataset(ids[:count * seq_len + 1].unfold(0, seq_len + 1, seq_len))
-
-    return windows(make_text(4000, seed=0)), windows(make_text(400, seed=1))
-
-
-def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
-    # Each data-parallel group gets a disjoint slice of one seeded shuffle; drop_last: every step
-    # holds the whole global batch, so each step's mean is over the same number of tokens.
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed,
-                                 drop_last=True)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Model: a tiny GPT, cut into stages
-# ---------------------------------------------------------------------------------------------
-class Attention(nn.Module):
-    """Causal self-attention, with q, k and v each its own layer: TP splits each by its output
-    columns, whole heads to a rank (lesson 11's one qkv layer, split so, would give the first
-    rank all of q and none of v)."""
-
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.head_dim = dim // heads
-        # No bias on q, k, v: a key bias adds q . b to all of a query's scores, which softmax
-        # cancels, so its gradient is 0 but for rounding, and Adam turns rounding into steps.
-        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
-        self.out = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        batch, tokens, _ = x.shape
-        # -1 heads: the ones this rank holds, all of them on one process, heads / tp under TP
-        q, k, v = (f(x).view(batch, tokens, -1, self.head_dim).transpose(1, 2)
-                   for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(batch, tokens, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class TinyGPT(nn.Module):
-    """Characters -> embeddings (of the character and of its position) -> pre-norm blocks ->
-    a score for every next character. A pipeline stage is this model with some parts deleted
-    (keep_stage): its forward runs the parts it has."""
-
-    def __init__(self, seq_len, dim=32, heads=4, layers=4):
-        super().__init__()
-        self.tokens, self.positions = nn.Embedding(len(VOCAB), dim), nn.Embedding(seq_len, dim)
-        # A dict, not a list: blocks.2 keeps its name on the stage that holds it alone
-        self.blocks = nn.ModuleDict({str(i): Block(dim, heads) for i in range(layers)})
-        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, len(VOCAB))
-
-    def forward(self, x):
-        if self.tokens is not None:  # the first stage: characters in
-            x = self.tokens(x) + self.positions(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.head is not None:  # the last stage: scores out
-            x = self.head(self.norm(x))
-        return x
-
-
-@torch.no_grad()
-def complete(model, prompt, seq_len, device, limit=8):
-    """The model's greedy continuation of prompt, up to the end of its line, on one rank."""
-    ids = [VOCAB.index(c) for c in prompt]
-    for _ in range(limit):
-        logits = model(torch.tensor([ids[-seq_len:]], device=device))
-        ids.append(int(logits[0, -1].argmax()))
-        if VOCAB[ids[-1]] == "\n":
-            break
-    return "".join(VOCAB[i] for i in ids[len(prompt):]).rstrip("\n")
-
-
-@torch.no_grad()
-def validation_loss(model, val_set, device):
-    """The mean loss over every validation token, on one process's model."""
-    batch = val_set.tensors[0].to(device)
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
-
-
-def evaluate(model, val_set, seq_len, device):
-    """One process's model: its validation loss, and its continuations of three sums."""
-    return validation_loss(model, val_set, device), {
-        prompt: complete(model, prompt, seq_len, device) for prompt in ("3+4=", "8+9=", "0+6=")}
-
-
-def parallelize(model, mesh, device, args):
-    """This rank's part of the model, in the order that works (parallelize.py): its stage, split
-    by TP, sharded by FSDP, in a pipeline schedule."""
-    tokens = args.batch_size // args.dp * args.seq_len  # this dp rank's, in each step
-
-    def loss_fn(logits, targets):
-        # Each micro-batch's share of the mean over this dp rank's tokens; FSDP then averages
-        # the dp ranks' gradients, so each step takes the whole global batch's mean.
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens
-
-    keep_stage(model, mesh["pp"].get_local_rank(), args.pp)
-    if args.tp > 1:
-        tensor_parallel(model, mesh["tp"])
-    shard_data_parallel(model, mesh["dp"])
-    return pipeline_schedule(model, mesh, device, args.schedule, args.microbatches, loss_fn)
-
-
-def whole_model(model, args, mesh):
-    """One process's model, on every rank: each stage's weights gathered whole over its dp and tp
-    ranks (full_tensor), then every stage's over the pipeline (a few hundred kilobytes here)."""
-    mine = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-            for name, t in model.state_dict().items()}
-    stages = [None] * args.pp
-    dist.all_gather_object(stages, mine, group=mesh["pp"].get_group())
-    whole = TinyGPT(args.seq_len, args.dim, args.heads, args.layers)
-    whole.load_state_dict({name: t for stage in stages for name, t in stage.items()})
-    return whole
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainer
-# ---------------------------------------------------------------------------------------------
-class Trainer:
-    def __init__(self, model, schedule, train_loader, optimizer, device, args, rank, mesh):
-        self.model = model
-        self.schedule = schedule
-        self.train_loader = train_loader
-        self.optimizer = optimizer
-        self.device = device
-        self.args = args
-        self.save_every = args.save_every
-        self.rank = rank
-        self.is_main_process = rank == 0  # gates printing and writing: one copy, not N
-        self.pp_group = mesh["pp"].get_group()
-        self.first = mesh["pp"].get_local_rank() == 0
-        self.last = mesh["pp"].get_local_rank() == args.pp - 1
-        # The last stage's ranks know the loss; one per TP group counts it, once.
-        self.counts_loss = self.last and mesh["tp"].get_local_rank() == 0
-        self.checkpoint_dir = os.path.join(args.out_dir, "checkpoint")
-        self.epochs_completed = 0
-        self.losses = []
-
-    def train_step(self, batch):
-        """One step on this dp rank's sequences, micro-batch by micro-batch through the stages:
-        the first stage feeds the characters in, the last compares its scores with the targets.
-        Returns the sum of the losses of this rank's tokens (0 but on the last stage)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        self.schedule.step(*[batch[:, :-1]] if self.first else [],
-                           target=batch[:, 1:] if self.last else None, losses=losses)
-        clip_whole_model(self.model.parameters(), self.args.max_norm, self.pp_group)
-        self.optimizer.step()
-        tokens = batch.shape[0] * self.args.seq_len
-        return sum(loss.detach() for loss in losses) * tokens if losses else 0.0
-
-    def train_epoch(self, epoch):
-        self.model.train()
-        self.train_loader.sampler.set_epoch(epoch)  # else every epoch has the same order
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [loss sum, tokens]
-        for (batch,) in self.train_loader:
-            loss_sum = self.train_step(batch.to(self.device))
-            if self.counts_loss:
-                totals[0] += loss_sum
-                totals[1] += batch.shape[0] * self.args.seq_len
-        dist.all_reduce(totals)  # every dp rank's tokens, counted once
-        return (totals[0] / totals[1]).item()
-
-    def training_state(self):
-        """{"model": ..., "optimizer": ...}: tensors by parameter name, each rank its pieces."""
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optimizer": optimizer_state["state"]}
-
-    def save_checkpoint(self):
-        path = os.path.join(self.checkpoint_dir, f"epoch_{self.epochs_completed:04d}")
-        with sharded_save_or_fail(self.rank, path) as barrier:  # a failed write: one line
-            if self.is_main_process:
-                shutil.rmtree(path, ignore_errors=True)  # a save of this epoch that was cut short
-                os.makedirs(path)
-                with open(os.path.join(path, "progress.json"), "w") as f:
-                    json.dump({"epochs_completed": self.epochs_completed, "train_loss": self.losses,
-                               "dp": self.args.dp, "pp": self.args.pp, "tp": self.args.tp}, f)
-            barrier()  # the folder exists before any rank writes into it
-            # Every rank writes what it holds to its own file, all at once (a tensor held whole
-            # by several, once); rank 0 then writes .metadata: which file holds which chunk of what.
-            dcp.save(self.training_state(), checkpoint_id=path)
-        if self.is_main_process:  # this save is complete: older ones can go
-            for old in glob.glob(os.path.join(self.checkpoint_dir, "epoch_*")):
-                if old != path:
-                    shutil.rmtree(old)
-
-    def load_checkpoint(self, path):
-        with open(os.path.join(path, "progress.json")) as f:
-            progress = json.load(f)
-        # Each rank reads, from whichever files hold them, exactly the pieces of each tensor it
-        # needs now: the checkpoint loads whatever --dp, --pp and --tp wrote it.
-        state = self.training_state()
-        dcp.load(state, checkpoint_id=path)
-        _, optimizer_state = get_state_dict(self.model, self.optimizer)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict={**optimizer_state, "state": state["optimizer"]})
-        self.epochs_completed = progress["epochs_completed"]
-        self.losses = list(progress["train_loss"])
-        return progress
-
-    def train(self, max_epochs):
-        # From the checkpoint's next epoch, not from 0: no epoch is repeated or skipped.
-        for epoch in range(self.epochs_completed, max_epochs):
-            start = time.perf_counter()
-            loss = self.train_epoch(epoch)
-            self.losses.append(loss)
-            self.epochs_completed = epoch + 1
-            if self.is_main_process:
-                print(f"epoch {epoch + 1:3d}/{max_epochs} | train loss {loss:.4f} "
-                      f"| {time.perf_counter() - start:.3f} s", flush=True)
-            if self.epochs_completed % self.save_every == 0 or self.epochs_completed == max_epochs:
-                self.save_checkpoint()  # every rank takes part: dcp.save is a collective
-        return self.losses
-
-
-# ---------------------------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------------------------
-def main(rank, local_rank, args):
-    device = setup_process_group(rank, local_rank, args.world_size, args.backend, args.timeout)
-    if args.float64:  # the proofs: float32 rounds each layout's sums apart, Adam amplifies it
-        torch.set_default_dtype(torch.float64)
-    train_set, val_set = load_data(args.seq_len)
-    mesh = build_mesh(device.type, args.dp, args.pp, args.tp, args.timeout)
-    # Each dp rank reads its own sequences; the pp and tp ranks of one pipeline, the same ones.
-    train_loader = prepare_dataloader(train_set, args.batch_size // args.dp, args.seed,
-                                      mesh["dp"].get_local_rank(), args.dp)
-    # Seed before building the model so the initial weights are the same on every rank.
-    torch.manual_seed(args.seed)
-    model = TinyGPT(args.seq_len, args.dim, args.heads, args.layers).to(device)
-    schedule = parallelize(model, mesh, device, args)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    trainer = Trainer(model, schedule, train_loader, optimizer, device, args, rank, mesh)
-    resumed_after_epoch = resume(trainer, rank, args)  # 0: this run started from scratch
-    if trainer.is_main_process:
-        print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
-              f"x --pp {args.pp} x --tp {args.tp}, {len(train_set)} train / {len(val_set)} "
-              f"validation sequences of {args.seq_len} characters, {args.batch_size} per step",
-              flush=True)
-    train_start = time.perf_counter()
-    losses = trainer.train(args.epochs)
-    train_seconds = time.perf_counter() - train_start
-    every = [None] * args.world_size  # what each rank holds, for the table in metrics.json
-    dist.all_gather_object(every, bytes_held(model, optimizer))
-    whole = whole_model(model, args, mesh)
-    if not trainer.is_main_process:
-        return  # rank 0 alone writes and samples
-    save_atomically(whole.state_dict(), os.path.join(args.out_dir, "final.pt"))
-    val_loss, samples = evaluate(whole.to(device), val_set, args.seq_len, device)
-    steps = (args.epochs - resumed_after_epoch) * len(train_loader)
-    results = {"train_loss": losses, "val_loss": val_loss, "samples": samples,
-               "bytes_per_rank": every, "train_seconds": train_seconds,
-               "tokens_per_second": steps * args.batch_size * args.seq_len / train_seconds,
-               "wall_seconds": time.time() - args.start_time}
-    save_atomically(describe_run(args, device, resumed_after_epoch) | results,
-                    os.path.join(args.out_dir, "metrics.json"))
-    print("samples: " + " | ".join(f"{p}{s}" for p, s in samples.items()), flush=True)
-    print(f"validation loss: {val_loss:.4f} | results in {args.out_dir}", flush=True)
-
-
-def bytes_held(model, optimizer):
-    """What this rank holds, in bytes: its pieces of the weights, of their gradients (from the
-    last step) and of Adam's two running averages."""
-    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
-    return {"weights": local_bytes(model.parameters()),
-            "gradients": local_bytes(p.grad for p in model.parameters()),
-            "optimizer": local_bytes(state)}
-
-
-def resume(trainer, rank, args):
+def resume(trainer, args):
     """Load the newest finished checkpoint in --out-dir, if any; return the epochs it holds."""
-    # Automatic resume: a finished checkpoint in --out-dir means an earlier run got this far.
     # Rank 0 picks it for every rank, once each has shown it sees the folder (guard_rails.py).
-    checkpoint = agree_on_checkpoint(rank, trainer.checkpoint_dir, latest_checkpoint)
+    checkpoint = guard_rails.agree_on_checkpoint(trainer.rank, trainer.checkpoint_dir,
+                                                 latest_checkpoint)
     if checkpoint:
-        progress = trainer.load_checkpoint(checkpoint)
+        progress = load_sharded(checkpoint, trainer.model, trainer.adam)  # sharding.py
+        trainer.epochs_completed = progress["epochs_completed"]
+        trainer.losses = progress["train_loss"]
         if trainer.is_main_process:
             print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
-                  f"epochs done, written by {layout(progress)}, loaded by {layout(vars(args))}",
+                  f"epochs done, written by --dp {progress['dp']} --pp {progress['pp']} --tp "
+                  f"{progress['tp']}, loaded by --dp {args.dp} --pp {args.pp} --tp {args.tp}",
                   flush=True)
     if trainer.epochs_completed == args.epochs and trainer.is_main_process:
         print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
@@ -471,11 +338,7 @@ def resume(trainer, rank, args):
     return trainer.epochs_completed
 
 
-def layout(settings):
-    return " ".join(f"--{name} {settings[name]}" for name in ("dp", "pp", "tp"))
-
-
-def describe_run(args, device, resumed_after_epoch):
+def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
         "lesson": "13_capstone",
@@ -491,56 +354,15 @@ def describe_run(args, device, resumed_after_epoch):
         "layers": args.layers,
         "float64": args.float64,
         "world_size": args.world_size,
-        "launcher": args.launcher,
-        "resumed_after_epoch": resumed_after_epoch,
+        "launcher": "torchrun" if dist.is_torchelastic_launched() else "spawn",
         "backend": args.backend,
         "device": device.type,
         "epochs": args.epochs,
         "batch_size": args.batch_size,
         "lr": args.lr,
         "seed": args.seed,
+        "threads_per_rank": torch.get_num_threads(),
     }
-
-
-def worker(local_rank, args):
-    """What each process runs, started by mp.spawn or torchrun: main, then leave the group."""
-    # mp.spawn on one machine: the local rank is the global rank. torchrun says which it is.
-    rank = int(os.environ["RANK"]) if args.launcher == "torchrun" else local_rank
-    with rank_guard(rank, args):  # a failure becomes one line: guard_rails.py
-        main(rank, local_rank, args)
-        dist.destroy_process_group()
-
-
-def launch(args):
-    """Pick backend and port, then start the ranks; under torchrun, which started them, be one."""
-    args.start_time = time.time()
-    if started_by_torchrun():
-        # torchrun set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: this process
-        # is one rank. The ranks of every node form one group, one mesh, one checkpoint.
-        args.launcher = "torchrun"
-        args.world_size = int(os.environ["WORLD_SIZE"])
-        check_layout(args)  # --dp (default: WORLD_SIZE / (--pp x --tp)) x --pp x --tp = WORLD_SIZE
-        args.backend = choose_backend(args.backend, int(os.environ["LOCAL_WORLD_SIZE"]),
-                                      "torchrun's --nproc-per-node")
-        check_backends_agree(args.backend, args.timeout)  # every node chose the same one
-        check_sharding(args, latest_checkpoint)
-        worker(int(os.environ["LOCAL_RANK"]), args)  # runs main, then ends this process
-        return
-    args.launcher = "spawn"
-    check_layout(args)  # the model splits over this layout: heads, layers, tokens, batch
-    args.world_size = args.dp * args.pp * args.tp
-    args.backend = choose_backend(args.backend, args.world_size, "--dp x --pp x --tp")
-    check_sharding(args, latest_checkpoint)  # any checkpoint: the same model (guard rails)
-    # Rank 0 listens on this machine: a MASTER_PORT already set wins, else any free port.
-    check_master_port()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    os.makedirs(args.out_dir, exist_ok=True)
-    print(f"starting {args.world_size} ranks ({args.backend}); rank 0 listens on "
-          f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", flush=True)
-    # Runs worker(rank, args) in world_size new processes, rank 0 .. world_size - 1.
-    with spawn_guard("rank", then=". Run it again to resume from the last checkpoint"):
-        start_ranks(worker, args=(args,), nprocs=args.world_size)
 
 
 def parse_args(argv=None):
@@ -549,8 +371,7 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set")
-    parser.add_argument("--batch-size", type=int, default=16,
-                        help="sequences per step, in all (the global batch, split over --dp)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, in all")
     parser.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
     parser.add_argument("--max-norm", type=float, default=1.0,
                         help="clip the gradients to this norm, the whole model's")
@@ -563,10 +384,9 @@ def parse_args(argv=None):
     parser.add_argument("--tp", type=int, default=2,
                         help="ranks that split each stage's weights (a TP group)")
     parser.add_argument("--dp", type=int,
-                        help="pipelines that read different sequences, their weights sharded "
-                        "by FSDP (default: torchrun's ranks / (--pp x --tp); else the most "
-                        "pipelines the GPUs hold that --batch-size splits over; without enough "
-                        "GPUs, 2)")
+                        help="pipelines that read different sequences, sharded by FSDP (default: "
+                        "torchrun's ranks / (--pp x --tp); else the most pipelines the GPUs hold "
+                        "that --batch-size splits over; without enough GPUs, 2)")
     parser.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"],
                         help="the pipeline's order of micro-batches (lesson 10)")
     parser.add_argument("--microbatches", type=int, default=2,
@@ -581,8 +401,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
     parser.add_argument("--float64", action="store_true",
                         help="compute in float64: the layouts then agree to ~1e-14")
-    return check_args(parser.parse_args(argv))
+    return guard_rails.check_args(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    start(launch, parse_args, torchrun_ok=True)
+    guard_rails.start(main, parse_args, launch, torchrun_ok=True)

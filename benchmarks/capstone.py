@@ -51,18 +51,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 LESSON = Path(__file__).resolve().parent.parent / "13_capstone"
 sys.path.insert(0, str(LESSON))
-from parallelize import build_mesh  # noqa: E402  (lesson 13's, as train.py imports it)
-from train import (  # noqa: E402  (lesson 13's code, not a copy)
-    VOCAB,
-    Block,
-    TinyGPT,
-    Trainer,
-    bytes_held,
-    find_free_port,
-    load_data,
-    parallelize,
-    start_ranks,
-)
+from guard_rails import find_free_port, start_ranks  # noqa: E402  (lesson 13's)
+from model import VOCAB, Block, TinyGPT  # noqa: E402  (lesson 13's, as train.py imports it)
+from parallelize import build_mesh  # noqa: E402
+from train import Trainer, bytes_held, load_data, parallelize  # noqa: E402  (not a copy)
 
 WORLD = 8
 BATCH, SEQ_LEN, DIM, HEADS, LAYERS = 16, 64, 32, 4, 4  # train.py's defaults
@@ -199,10 +191,10 @@ def build_layout(layout, mesh, batch):
     model = TinyGPT(SEQ_LEN, DIM, HEADS, LAYERS)
     schedule = parallelize(model, mesh, torch.device("cpu"), args)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    trainer = Trainer(model, schedule, None, optimizer, torch.device("cpu"), args,
-                      dist.get_rank(), mesh)
-    mine = batch[mesh["dp"].get_local_rank()::dp]  # this dp rank's sequences
-    return model, optimizer, lambda: trainer.train_step(mine)
+    trainer = Trainer(model, None, None, optimizer, torch.device("cpu"), args.save_every,
+                      args.out_dir, mesh, schedule, args.max_norm)
+    mine = [t[mesh["dp"].get_local_rank()::dp] for t in batch]  # this dp rank's sequences
+    return model, optimizer, lambda: trainer.train_step(*mine)
 
 
 def measure(layout, mesh, model, optimizer, step):
@@ -228,7 +220,7 @@ def run(rank, args, port):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=TIMEOUT))
-    batch = load_data(SEQ_LEN)[0].tensors[0][:BATCH]  # one global batch: 16 sequences
+    batch = [t[:BATCH] for t in load_data(SEQ_LEN)[0].tensors]  # one global batch: 16 sequences
     rows, steps, kept = {}, {}, {}
     for layout in args.layouts:
         # Every rank makes every mesh, in the same order (new_group is a collective of all);

@@ -48,9 +48,9 @@ MISTAKES = [
     # TP: the heads counted as the whole model's, the head size derived: each tp rank holds the
     # columns of heads / tp heads, which view() cuts into heads half as wide.
     Broken("13-tp-heads-counted-whole",
-           (("train.py", "        self.head_dim = dim // heads\n",
+           (("model.py", "        self.head_dim = dim // heads\n",
              "        self.heads, self.head_dim = heads, dim // heads\n"),
-            ("train.py", "        # -1 heads: the ones this rank holds, all of them on one "
+            ("model.py", "        # -1 heads: the ones this rank holds, all of them on one "
              "process, heads / tp under TP\n        q, k, v = (f(x).view(batch, tokens, -1, "
              "self.head_dim)", "        q, k, v = (f(x).view(batch, tokens, self.heads, -1)")),
            TP, "the first step's gradients differ"),

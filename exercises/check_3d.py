@@ -1,7 +1,7 @@
 """Exercise 13's checks (exercises/check.py calls them): your copy of lesson 13's 3-D step, run on
 five layouts, each compared with one process in float64, where a correct step differs from it
-only by rounding. The step is your copy's: train.py's TinyGPT, parallelize (its loss) and
-Trainer.train_step, and parallelize.py's build_mesh, keep_stage, tensor_parallel,
+only by rounding. The step is your copy's: model.py's TinyGPT, train.py's parallelize (its loss)
+and Trainer.train_step, and parallelize.py's build_mesh, keep_stage, tensor_parallel,
 shard_data_parallel, pipeline_schedule and clip_whole_model.
 
 It starts 8 ranks once. They run 1 x 1 x 1, 2 x 1 x 1, 1 x 2 x 1 and 1 x 1 x 2 (dp x pp x tp: one
@@ -41,7 +41,7 @@ CLOSE = 1e-12  # float64: the same sums in another order differ by ~1e-14 after 
 # both steps clip, as prove_layouts.py's do.
 SEQ_LEN, BATCH, STEPS, LR, MICROBATCHES, MAX_NORM = 16, 8, 2, 1e-2, 2, 0.25
 WORLD = 8
-COPY_MODULES = ("train", "parallelize", "guard_rails")  # a copy's own, imported by name
+COPY_MODULES = ("train", "model", "data", "parallelize", "sharding", "guard_rails")  # a copy's own
 DIMENSIONS = ("dp", "pp", "tp")
 # Rounds of layouts, each on its own ranks: (name, (dp, pp, tp), first rank). The first changes
 # one dimension at a time; the second is the 3-D layout, on your build_mesh's mesh.
@@ -62,7 +62,8 @@ PRELOAD = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_d
 # ---------------------------------------------------------------------------------------------
 def folder_of(script):
     folder = os.path.dirname(os.path.abspath(script))
-    for name in ("train.py", "parallelize.py", "guard_rails.py"):
+    for name in ("train.py", "parallelize.py", "guard_rails.py", "model.py", "data.py",
+                 "sharding.py"):
         if not os.path.isfile(os.path.join(folder, name)):
             raise Unchecked(f"there is no {name} beside {script}: the copy is the whole of "
                             "13_capstone's Python files")
@@ -111,7 +112,8 @@ def batches_of(train):
     """The steps' global batches: seeded, the same in every process."""
     train_set, _ = train.load_data(SEQ_LEN)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(0))
-    return [train_set.tensors[0][order[s * BATCH:(s + 1) * BATCH]] for s in range(STEPS)]
+    return [[t[order[s * BATCH:(s + 1) * BATCH]] for t in train_set.tensors]
+            for s in range(STEPS)]
 
 
 def reference(train):
@@ -121,10 +123,10 @@ def reference(train):
     model = train.TinyGPT(SEQ_LEN)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     found = {}
-    for step, batch in enumerate(batches_of(train)):
+    for step, (inputs, targets) in enumerate(batches_of(train)):
         optimizer.zero_grad()
-        logits = model(batch[:, :-1])
-        F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        logits = model(inputs)
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
         norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         if step == 0:
             found["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -166,7 +168,8 @@ def run_layout(train, mesh, shape, batches):
     device = torch.device("cpu")
     schedule = train.parallelize(model, mesh, device, args)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    trainer = train.Trainer(model, schedule, None, optimizer, device, args, dist.get_rank(), mesh)
+    trainer = train.Trainer(model, None, None, optimizer, device, args.save_every, args.out_dir,
+                            mesh, schedule, args.max_norm)
     found = {"stage": mesh["pp"].get_local_rank(),
              "names": sorted(name for name, _ in model.named_parameters())}
     step, before = schedule.step, []
@@ -190,8 +193,8 @@ def run_layout(train, mesh, shape, batches):
     schedule.step = step_and_record
     optimizer.register_step_pre_hook(record_clipping)
     dp_rank = mesh["dp"].get_local_rank()
-    for batch in batches:  # this dp rank's sequences: every dp-th one
-        trainer.train_step(batch[dp_rank::dp])
+    for inputs, targets in batches:  # this dp rank's sequences: every dp-th one
+        trainer.train_step(inputs[dp_rank::dp], targets[dp_rank::dp])
     found["weights"] = {name: whole(p) for name, p in model.named_parameters()}
     return found
 
@@ -420,7 +423,7 @@ ERRORS = [
      "a layer's output whole where the residual stream is split by token: attn.out and fc2 "
      "give their sums split by token (RowwiseParallel(output_layouts=Shard(1)))",
      "tensor_parallel"),
-    (r"^parallelize\.<locals>\.loss_fn raised IndexError.*out of bounds",
+    (r"^(parallelize\.<locals>\.loss_fn|loss_sum) raised IndexError.*out of bounds",
      "the head's scores split by character over tp: the loss needs every character's score on "
      "every rank, so the head gathers them (ColwiseParallel(output_layouts=Replicate()))",
      "tensor_parallel"),
@@ -446,8 +449,12 @@ def places(folder, functions):
 
 
 def file_of(folder, function):
-    with open(os.path.join(folder, "parallelize.py")) as f:
-        return "parallelize.py" if re.search(rf"^def {function}\b", f.read(), re.M) else "train.py"
+    """The file of the copy that defines function ("Attention.forward": its class)."""
+    for name in ("parallelize.py", "model.py"):
+        with open(os.path.join(folder, name)) as f:
+            if re.search(rf"^(def|class) {function.split('.')[0]}\b", f.read(), re.M):
+                return name
+    return "train.py"
 
 
 def explain(name, entry, ref, folder, dimension):

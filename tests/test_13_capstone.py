@@ -177,12 +177,12 @@ def test_without_dp_the_gpus_hold_the_most_pipelines_the_batch_splits_over(monke
     # For every GPU count from 1 to 16: --dp by default is the largest d <= GPUs // (pp x tp)
     # for which d x micro-batches divides --batch-size, with one note when GPUs stay idle; too
     # few GPUs for one pipeline, 2 pipelines on the CPU.
-    lesson = import_lesson(LESSON)
+    lesson, guard_rails = import_lesson(LESSON), import_guard_rails(LESSON)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     for gpus in range(1, 17):
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         args = lesson.parse_args(["--batch-size", str(batch_size)])
-        lesson.check_layout(args)  # guard_rails.py's; a layout it refuses raises SystemExit
+        guard_rails.check_layout(args)  # a layout it refuses raises SystemExit
         per_pipeline, m = args.pp * args.tp, args.microbatches
         fits = [d for d in range(1, gpus // per_pipeline + 1) if batch_size % (d * m) == 0]
         assert args.dp == (max(fits) if gpus >= per_pipeline else 2), gpus
