@@ -312,6 +312,11 @@ def plan(facts):
         ("13_capstone", "cpu",
          [f"{python} 13_capstone/train.py --dp 2 --pp 2 --tp 2{on_cpu}"],
          "8 ranks: 2 pipelines of 2 stages, each stage split over 2 ranks, FSDP across", cpu_ok),
+        # Lesson 14 starts no ranks: PyTorch's fake process group, which needs no gloo, no GPU.
+        ("14_planning", "cpu",
+         [f"{python} 14_planning/plan.py --model tiny --gpus 8 --layout 2,2,2 --batch-size 16 "
+          "--microbatches 2"],
+         "no ranks started: lesson 13's layout built and measured on fake tensors", True),
     ]
     if gpus:
         pairs = gpus // 2
@@ -357,9 +362,10 @@ def plan(facts):
     for lesson, where, commands, note, runnable in wanted:
         if any(entry["lesson"] == lesson and entry["where"] == where for entry in cannot):
             continue  # one reason per lesson and place is enough
-        if not (ROOT / lesson / "train.py").is_file():
+        program = "plan.py" if lesson == "14_planning" else "train.py"  # 14 trains nothing
+        if not (ROOT / lesson / program).is_file():
             cannot.append({"lesson": lesson, "where": where,
-                           "reason": f"{lesson}/train.py is not in this copy of the repository"})
+                           "reason": f"{lesson}/{program} is not in this copy of the repository"})
         elif not runnable:
             cannot.append({"lesson": lesson, "where": where,
                            "reason": facts["nccl_why"] if where == "gpu" else facts["gloo_why"]})

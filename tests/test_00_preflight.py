@@ -77,6 +77,8 @@ def test_lists_the_cpu_command_of_every_lesson_present(preflight):
     assert "11_context_parallel/train.py --cp 2 --dp 1" in commands
     assert "12_expert_parallel/train.py --ep 2 --dp 1" in commands
     assert "13_capstone/train.py --dp 2 --pp 2 --tp 2" in commands
+    assert ("14_planning/plan.py --model tiny --gpus 8 --layout 2,2,2 --batch-size 16 "
+            "--microbatches 2") in commands
     if not (ROOT / "04_checkpointing" / "train.py").is_file():
         assert ("04_checkpointing, CPU: 04_checkpointing/train.py is not in this copy of the "
                 "repository") in preflight.stdout
@@ -135,9 +137,10 @@ def test_a_port_in_use_fails_the_group_with_one_error_line_that_names_the_fix():
     assert "EADDRINUSE" in checks["gloo group"]["detail"]  # torch's own words for it
     cannot = {(entry["lesson"], entry["where"]) for entry in report["cannot_run"]}
     assert ("02_multi_gpu_spawn", "cpu") in cannot
-    # Of the CPU commands, lesson 01's alone are still listed: it needs no process group.
+    # Of the CPU commands, lesson 01's and 14's alone are still listed: 01 needs no process
+    # group, 14 only PyTorch's fake one.
     assert [entry["lesson"] for entry in report["can_run"] if entry["where"] == "cpu"] == [
-        "01_single_gpu"]
+        "01_single_gpu", "14_planning"]
 
 
 def test_a_python_without_torch_gets_one_error_line_that_names_the_fix():
@@ -201,7 +204,7 @@ def full_repository(tmp_path):
                  "07_sharding/train.py", "08_ddp_from_scratch/train.py",
                  "09_tensor_parallel/train.py", "10_pipeline_parallel/train.py",
                  "11_context_parallel/train.py", "12_expert_parallel/train.py",
-                 "13_capstone/train.py",
+                 "13_capstone/train.py", "14_planning/plan.py",
                  "03_multi_node/slurm/train.sbatch", "03_multi_node/slurm/local_cluster.sh"):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).touch()
@@ -248,6 +251,10 @@ def test_plan_on_a_machine_with_four_gpus(full_repository):
     assert commands_for(can, "13_capstone", "gpu") == ["python 13_capstone/train.py"]
     assert commands_for(can, "13_capstone", "cpu") == [
         "python 13_capstone/train.py --dp 2 --pp 2 --tp 2 --backend gloo"]
+    # Lesson 14 uses no GPU and no gloo: one command on every machine.
+    assert commands_for(can, "14_planning", "cpu") == [
+        "python 14_planning/plan.py --model tiny --gpus 8 --layout 2,2,2 --batch-size 16 "
+        "--microbatches 2"]
     assert not [entry for entry in cannot if entry["where"] == "gpu"]
 
 
