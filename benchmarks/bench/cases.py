@@ -8,9 +8,10 @@ import argparse
 import copy
 import functools
 import importlib.util
+import io
 import sys
 import warnings
-from contextlib import nullcontext
+from contextlib import nullcontext, redirect_stdout
 from pathlib import Path
 
 import torch
@@ -72,10 +73,11 @@ def lesson09():
 
 
 @functools.cache
-def lesson10(name="train"):
-    """A file of lesson 10 as a module: train.py, or timeline.py (its bubble's instrument,
-    with bubble_report), imported with the lesson's folder first on sys.path, where train.py
-    finds timeline.py and its own guard_rails.py."""
+def lesson10(name="measure_bubble"):
+    """A file of lesson 10 as a module: measure_bubble.py (with MeasuredTrainer, and the
+    train.py it imports as .train), or timeline.py (its bubble's instrument, with
+    bubble_report), imported with the lesson's folder first on sys.path, where they find
+    train.py, timeline.py and the lesson's own guard_rails.py."""
     lesson_folder_first(LESSON10)
     spec = importlib.util.spec_from_file_location(f"lesson10_{name}", LESSON10 / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -301,41 +303,55 @@ def build_pipeline_case(case, device, group, rank):
     """A pipeline case, built and warmed up with lesson 10's own pieces: its WineMLP(hidden,
     layers) from the same seed on every rank, split_model (this rank's stage; interleaved: two),
     Adam, and its Trainer, whose train_step runs one step of the schedule (afab by hand, the
-    others torch's), and with simulate_ms sleeps in each layer and records every forward and
-    backward. group: the case's ranks (None: every rank of the launch).
+    others torch's); with simulate_ms, measure_bubble.py's MeasuredTrainer, whose layers sleep
+    (F simulate_ms, B and W simulate_ms each: 2 x simulate_ms backward) and record every
+    forward and backward. group: the case's ranks (None: every rank of the launch).
 
     Returns (work, record): work() runs one repeat, the case's `steps` steps on one fixed batch,
     the same on every stage (the first reads its features, the last its labels); record holds
     the trainer's timeline (a list of events per step) and where each call of work() began in
     it, for pipeline_bubbles."""
-    train = lesson10()
+    bubble = lesson10("measure_bubble")
+    train = bubble.train  # the train.py that MeasuredTrainer extends
     group = group or dist.group.WORLD
-    p, v = case["stages"], case["chunks"]
-    stage_ids = [dist.get_rank(group) + c * p for c in range(v)]
+    p = case["stages"]
+    # The lesson's own flags, parsed by its parse_args (with simulate_ms, measure_bubble's: B
+    # and W default to F): every setting its Trainer reads, with the lesson's defaults (its --lr
+    # for Adam) for those the case does not set.
+    flags = ["--schedule", case["schedule"], "--stages", str(p), "--dp", "1",
+             "--microbatches", str(case["microbatches"]),
+             "--batch-size", str(case["global_batch"]), "--layers", str(case["layers"]),
+             "--hidden", str(HIDDEN)]
+    simulated = case["simulate_ms"] is not None
+    settings = (bubble.parse_args([*flags, "--simulate-ms", str(case["simulate_ms"])])
+                if simulated else train.parse_args(flags))
+    settings.dp = 1  # one pipeline: no gradients to average across pipelines
     torch.manual_seed(0)  # the same initial weights on every rank; each keeps its own layers
     model = train.WineMLP(hidden=HIDDEN, layers=case["layers"]).to(device)
-    stages = train.split_model(model, stage_ids, p * v)
-    # The lesson's own flags, parsed by its parse_args: every setting its Trainer reads, with
-    # the lesson's defaults (its --lr for Adam) for those the case does not set.
-    simulate = [] if case["simulate_ms"] is None else ["--simulate-ms", str(case["simulate_ms"])]
-    settings = train.parse_args(["--schedule", case["schedule"], "--stages", str(p),
-                                 "--microbatches", str(case["microbatches"]),
-                                 "--batch-size", str(case["global_batch"]),
-                                 "--layers", str(case["layers"]), "--hidden", str(HIDDEN),
-                                 *simulate])
-    settings.dp = 1  # one pipeline: no gradients to average across pipelines
+    with redirect_stdout(io.StringIO()):  # its "layers: ..." line, once per case
+        stages = train.split_model(model, case["schedule"], dist.get_rank(group), p)
+    assert len(stages) == case["chunks"], (case, len(stages))
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
-    trainer = train.Trainer(model, stages, stage_ids, None, optimizer, device, settings, rank,
-                            group, None)
+    # The Trainer makes its pipeline's groups with build_groups, over every rank of the launch;
+    # here only the case's ranks build it (the one process: rank 0), so it gets the case's group,
+    # made by every rank (make_groups), as new_group requires.
+    plain, train.build_groups = train.build_groups, lambda *_: (group, None)
+    try:
+        trainer = (bubble.MeasuredTrainer if simulated else train.Trainer)(
+            model, None, None, optimizer, device, settings.save_every, settings.out_dir, stages,
+            settings)
+    finally:
+        train.build_groups = plain
     features, labels = make_batch("wine-mlp", case["global_batch"], None, device, seed=0)
     # The first step also sets the pipeline up (torch's stages exchange their shapes).
     for _ in range(case["warmup"]):
         trainer.train_step(features, labels)
     synchronize(device)
-    record = {"timeline": trainer.timeline, "starts": []}
+    # MeasuredTrainer's timeline: every step's events (none without the simulation).
+    record = {"timeline": getattr(trainer, "timeline", []), "starts": []}
 
     def work():
-        record["starts"].append(len(trainer.timeline))
+        record["starts"].append(len(record["timeline"]))
         for _ in range(case["steps"]):
             trainer.train_step(features, labels)
         synchronize(device)
@@ -351,8 +367,10 @@ def pipeline_bubbles(case, record, repeats):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, record)
     timelines = [mine["timeline"] for mine in everyone[:case["world_size"]]]
+    ms = case["simulate_ms"]  # F, and B and W alike, as measure_bubble.py's defaults
     settings = argparse.Namespace(stages=case["stages"], schedule=case["schedule"],
-                                  microbatches=case["microbatches"])
+                                  microbatches=case["microbatches"], simulate_ms=ms,
+                                  backward_ms=ms, weight_ms=ms)
     # bubble_report leaves out the first step it is given (the lesson's step 0, which sets the
     # pipeline up): here, the step before the repeat, so every step of the repeat counts.
     report = lesson10("timeline").bubble_report

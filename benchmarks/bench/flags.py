@@ -163,7 +163,8 @@ def add_pipeline_flags(group):
                        help="micro-batches each --pipeline batch (--batch-size) is cut into")
     group.add_argument("--simulate-ms", type=float, default=10.0,
                        help="for the bubble of --pipeline: each layer sleeps this long forward "
-                            "and twice that backward (lesson 10's --simulate-ms); a sleep "
+                            "and twice that backward (lesson 10's measure_bubble.py "
+                            "--simulate-ms); a sleep "
                             "takes no CPU, so more ranks than cores keep a clean timeline")
     group.add_argument("--bubble-steps", type=int, default=None,
                        help="timed steps per repeat of a --pipeline case with --simulate-ms; a "
