@@ -107,6 +107,9 @@ EXERCISES = {
     "13": Exercise("which dimension is wrong", "13_which_dimension.md", "13_capstone", [],
                    world_size=8, layout="3d",
                    passes="every layout of your 3-D step equals one process, on every check"),
+    # Your layout of Llama 3 70B on 64 GPUs (a JSON file), measured by lesson 14's planner.
+    "14": Exercise("choose a layout", "14_choose_a_layout.md", "14_planning", [], world_size=64,
+                   layout="plan", passes="your layout fits, with TP inside a node"),
 }
 # Lesson 07's own flag that picks what the exercise builds: FSDP2.
 LESSON_ONLY_FLAGS = {"07_sharding": ["--strategy", "fsdp"]}
@@ -639,6 +642,10 @@ def check(exercise, script, timeout):
             import check_3d  # only exercise 13 needs it (and pyproject's isort list lacks it)
 
             return check_3d.check(script, folder, timeout)
+        if exercise.layout == "plan":
+            import check_plan  # only exercise 14 needs it (and pyproject's isort list lacks it)
+
+            return check_plan.check(script, folder, timeout)
         yours = run_script(exercise, script, os.path.join(folder, "yours"), timeout)
         check_joined(yours, exercise)
         check_writers(yours.ranks)  # these hold even for a run that then failed, and so do

@@ -35,7 +35,8 @@ from check_listings import copy_repository  # noqa: E402
 
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
-LESSONS = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]_*/train.py"))
+LESSONS = sorted({p.parent.name for name in ("train.py", "plan.py")  # 14's program: plan.py
+                  for p in ROOT.glob(f"[0-9][0-9]_*/{name}")})
 
 # README.md's block of commands that execute the notebooks, right after this marker: the
 # listings check does not run it, the tests below do, line by line.
@@ -105,7 +106,8 @@ EXPECTED_TEXT = {
                              "1f1b: at most [2, 1] micro-batches held; p - s = [2, 1]: True",
                              "replayed without overheads, each defined order has the formula's "
                              "bubble: True",
-                             "same weights under all three schedules (within 1e-6): True",
+                             "same weights under all four schedules (within 1e-6): True",
+                             "no more than 1F1B's 2 whole ones: True",
                              "test accuracy:"],
     "12_expert_parallel": ["drawing agrees with MoE.load: True",
                            "MoE equals every expert on every token: True",
@@ -121,6 +123,12 @@ EXPECTED_TEXT = {
                     "fake ranks agree with the run's measured bytes: True",
                     "--dp 2 --pp 2 --tp 2 against one process in float64: largest difference",
                     "equal within 1e-12: True"],
+    "14_planning": ["$ python 14_planning/plan.py", "$ python 13_capstone/train.py",
+                    "every layout uses the 64 GPUs: True",
+                    "more than 4 times the bytes (the scores grow as s^2): True",
+                    "16 times the tokens, 16 times the bytes: True",
+                    "FSDP2 is ZeRO-3 to the byte: True",
+                    "the planner's bytes equal the real run's: True"],
 }
 
 
@@ -323,7 +331,9 @@ def test_readmes_line_executes_its_notebooks(line, jupyter_path, tmp_path):
         assert figures, f"{path.name} drew no figure"
         printed = "".join(o.text for o in everything if o.output_type == "stream")
         # It ran its lesson's script as a separate process, and that printed its results.
-        for fragment in [f"$ python {path.stem}/train.py", *EXPECTED_TEXT[path.stem]]:
+        program = {"14_planning": "plan.py",  # 14 trains nothing
+                   "10_pipeline_parallel": "measure_bubble.py"}.get(path.stem, "train.py")
+        for fragment in [f"$ python {path.stem}/{program}", *EXPECTED_TEXT[path.stem]]:
             assert fragment in printed, f"{path.name} did not print {fragment!r}"
 
 

@@ -403,6 +403,10 @@ def parse(path, text, root=ROOT, resolve=True):
 TEST_COMMANDS = {
     "tests/test_troubleshooting.py": (re.compile(r'\brun_demo\("(\w+\.py)"\)'),
                                       "python troubleshooting/{}"),
+    # Lesson 14's proofs, each run once in the Python its tests share, its output compared with
+    # the README's by test_the_readme_shows_what_each_proof_prints.
+    "tests/test_14_planning.py": (re.compile(r'\bproof\(worker, "(prove_\w+)"\)'),
+                                  "python 14_planning/{}.py"),
 }
 
 

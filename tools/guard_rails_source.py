@@ -303,11 +303,11 @@ def check_pipeline(args):
         fail(f"--dp {args.dp} x --stages {args.stages} = {args.dp * args.stages} ranks, but "
              f"torchrun started {args.world_size}; start dp x stages processes in all, or "
              "change --dp or --stages")
-    chunks = 2 if args.schedule == "interleaved" else 1  # model chunks (stages) per rank
+    chunks = 2 if args.schedule in ("interleaved", "zbv", "dualpipev") else 1  # stages a rank
     pieces, linears = args.stages * chunks, args.layers + 1
     if linears % pieces:
         over = f"--stages {args.stages}" + (f" x {chunks} chunks per rank (--schedule "
-                                            f"interleaved) = {pieces}" if chunks > 1 else "")
+                                            f"{args.schedule}) = {pieces}" if chunks > 1 else "")
         fail(f"--layers {args.layers} makes {linears} linear layers, which do not split evenly "
              f"over {over} stages; use a --layers one less than a multiple of {pieces}, such "
              f"as --layers {pieces * max(1, linears // pieces) - 1}")
@@ -323,12 +323,22 @@ def check_pipeline(args):
              f"refuses fewer): --microbatches {args.microbatches} is fewer than --stages "
              f"{args.stages}")
     rounds = max(1, args.microbatches // args.stages)
-    if args.schedule == "interleaved" and args.microbatches % rounds:
-        fail(f"--schedule interleaved runs the micro-batches in {rounds} equal rounds "
+    if args.schedule in ("interleaved", "zb1p") and args.microbatches % rounds:
+        fail(f"--schedule {args.schedule} runs the micro-batches in {rounds} equal rounds "
              f"(--microbatches // --stages): --microbatches {args.microbatches} does not split "
              f"into them; use a multiple of {rounds}, such as {rounds * args.stages}")
-    if args.simulate_ms is not None and args.simulate_ms < 0:
-        fail(f"--simulate-ms must be at least 0 (got {args.simulate_ms:g})")
+    # ScheduleDualPipeV: at least one micro-batch per stage, and it places 2 on each rank.
+    if args.schedule == "dualpipev" and args.microbatches < 2 * args.stages:
+        fail(f"--schedule dualpipev needs at least one micro-batch per stage, 2 x --stages "
+             f"{args.stages} = {2 * args.stages} (torch's ScheduleDualPipeV refuses fewer): "
+             f"use --microbatches {2 * args.stages} or more")
+
+
+def check_simulated_ms(args):
+    """Refuse a simulated compute time below 0 (lesson 10's measure_bubble.py)."""
+    for flag in ("simulate_ms", "backward_ms", "weight_ms"):
+        if getattr(args, flag) < 0:
+            fail(f"--{flag.replace('_', '-')} must be at least 0 (got {getattr(args, flag):g})")
 
 
 def check_context_parallel(args, load_data):

@@ -3,16 +3,17 @@
     python tools/make_diffs.py          # regenerate every diff file
     python tools/make_diffs.py --check  # exit 1 if any is stale (the test suite runs this)
 
-Every folder NN_name/ with a train.py is a lesson. Every lesson but the first says in its
+Every folder NN_name/ with a train.py is a lesson (lesson 14's program is its planner, plan.py,
+diffed against its base's train.py). Every lesson but the first says in its
 docstring which lesson it builds on ("Lesson 02's program, now ..."), and is diffed against that
 one, with no exceptions: lesson 05 builds on lesson 02, not on 04. The diff goes to
 NN_name/from_<base>.diff, which the lesson's README links (code hosts show it in colour) and its
 notebook prints, so what the learner reads is always what the code does. It opens with the
 lesson's own modules that train.py imports (08's grad_sync.py, 09's tensor_parallel.py, 10's
-pipeline.py and timeline.py), the idea a learner reads first, each diffed against the base's file
+pipeline.py), the idea a learner reads first, each diffed against the base's file
 of that name, or shown whole where the base has none; then train.py's diff, the few lines that
-use them. The guard rails live in guard_rails.py, the same file in every lesson, so no diff shows
-them.
+use them. The guard rails live in guard_rails.py, generated for each lesson
+(tools/make_guard_rails.py), so no diff shows them.
 """
 
 import argparse
@@ -23,27 +24,32 @@ import sys
 from pathlib import Path
 
 BASE = re.compile(r"^Lesson (\d\d)'s program", re.MULTILINE)
+PROGRAMS = ("train.py", "plan.py")  # a lesson's program: train.py, or lesson 14's planner
 
 
 def lessons(root):
-    return sorted(p.parent.name for p in root.glob("[0-9][0-9]_*/train.py"))
+    return sorted({p.parent.name for name in PROGRAMS for p in root.glob(f"[0-9][0-9]_*/{name}")})
+
+
+def program(root, lesson):
+    return next(name for name in PROGRAMS if (root / lesson / name).is_file())
 
 
 def base_of(root, lesson, all_lessons):
     """The lesson that lesson's docstring says it builds on; ValueError if it says none."""
-    match = BASE.search((root / lesson / "train.py").read_text())
+    match = BASE.search((root / lesson / program(root, lesson)).read_text())
     bases = [name for name in all_lessons if match and name.startswith(match.group(1) + "_")]
     if not bases or bases[0] >= lesson:
-        raise ValueError(f"{lesson}/train.py must name an earlier lesson it builds on in its "
-                         "docstring, as a line starting \"Lesson NN's program\"")
+        raise ValueError(f"{lesson}/{program(root, lesson)} must name an earlier lesson it "
+                         "builds on in its docstring, as a line starting \"Lesson NN's program\"")
     return bases[0]
 
 
 def modules_of(root, lesson):
-    """The lesson's own modules that its train.py imports (guard_rails.py aside, the same in
-    every lesson): the file that holds the lesson's idea, such as 08's grad_sync.py."""
+    """The lesson's own modules that its train.py imports (guard_rails.py aside, generated,
+    which no diff shows): the file that holds the lesson's idea, such as 08's grad_sync.py."""
     folder = root / lesson
-    tree = ast.parse((folder / "train.py").read_text())
+    tree = ast.parse((folder / program(root, lesson)).read_text())
     names = {alias.name for node in tree.body if isinstance(node, ast.Import)
              for alias in node.names}
     names |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)
@@ -55,11 +61,12 @@ def modules_of(root, lesson):
 def lesson_diff(root, previous, lesson):
     """Each module train.py imports (a new one whole), then train.py's diff from the base's."""
     diffs = []
-    for name in [*modules_of(root, lesson), "train.py"]:
-        before = root / previous / name
+    mine, theirs = program(root, lesson), program(root, previous)
+    for name in [*modules_of(root, lesson), mine]:
+        before = root / previous / (theirs if name == mine else name)
         old = before.read_text().splitlines(keepends=True) if before.is_file() else []
         new = (root / lesson / name).read_text().splitlines(keepends=True)
-        old_name = f"{previous}/{name}" if before.is_file() else "/dev/null"
+        old_name = f"{previous}/{before.name}" if before.is_file() else "/dev/null"
         diffs.append("".join(difflib.unified_diff(old, new, old_name, f"{lesson}/{name}")))
     return "".join(diffs)
 

@@ -6,12 +6,13 @@ that the written ones are current.
 
 The source is tools/guard_rails_source.py: every guard rail of the course, in sections. A
 lesson's copy keeps what the lesson's own Python files (train.py and its modules) import from
-guard_rails (as guard_rails.name, or by an import of the name), and every definition of the source that those
-reach, in the source's order; the imports those use; the banner of each section with something
-left in it. A statement that runs when the file is imported (a warning filter, an environment
-variable) is kept only in the lessons that need it: its comment starts "# Lessons that import
-X", and it is kept where a file of the lesson imports X or a module inside it. So a folder copied
-alone still runs, and lesson 01's copy is a tenth of lesson 13's.
+guard_rails (as guard_rails.name, or by an import of the name), and every definition of the
+source that those reach, in the source's order; the imports those use; the banner of each
+section with something left in it. A statement that runs when the file is imported (a warning
+filter, an environment variable) is kept only in the lessons that need it: its comment
+starts "# Lessons that import X", and it is kept where a file of the lesson imports X or a
+module inside it. So a folder copied alone still runs, and lesson 01's copy is a tenth of
+lesson 13's.
 """
 
 import argparse

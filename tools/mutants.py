@@ -73,7 +73,7 @@ MUTANTS = [
     ),
     Mutant(
         id="02-ranks-spawned",
-        file="02_multi_gpu_spawn/train.py",
+        file="02_multi_gpu_spawn/guard_rails.py",
         find='mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")',
         replace="mp.spawn(fn, args=args, nprocs=nprocs)",
         claim="Each rank is forked from a server that has imported torch: torch is not imported "
@@ -176,8 +176,8 @@ MUTANTS = [
     Mutant(
         id="04-local-rank-0-writes",
         file="04_checkpointing/train.py",
-        find="        self.is_main_process = rank == 0",
-        replace='        self.is_main_process = int(os.environ.get("LOCAL_RANK", rank)) == 0',
+        find="        self.is_main_process = self.rank == 0",
+        replace='        self.is_main_process = int(os.environ.get("LOCAL_RANK", self.rank)) == 0',
         claim="Global rank 0 alone writes, not local rank 0, which exists once per node.",
         readme="04_checkpointing/README.md#why-rank-0-alone-writes-and-the-barrier",
         tests=("tests/test_04_checkpointing.py::"
@@ -206,9 +206,8 @@ MUTANTS = [
     Mutant(
         id="05-group-bound-to-one-gpu",
         file="05_model_parallel_ddp/train.py",
-        find="dist.init_process_group(backend, rank=rank, world_size=world_size,",
-        replace="dist.init_process_group(backend, rank=rank, world_size=world_size, "
-                "device_id=device,",
+        find="device_id=None)",
+        replace="device_id=device)",
         claim="init_process_group gets no device_id: a rank's group must reach both its GPUs.",
         readme="05_model_parallel_ddp/README.md#why-init_process_group-gets-no-device_id",
         tests=("tests/test_05_model_parallel_ddp.py::"
@@ -216,7 +215,7 @@ MUTANTS = [
     ),
     Mutant(
         id="05-stages-built-in-another-order",
-        file="05_model_parallel_ddp/train.py",
+        file="05_model_parallel_ddp/model.py",
         find="        self.fc1 = nn.Linear(in_features, hidden).to(self.dev0)\n"
              "        self.fc2 = nn.Linear(hidden, classes).to(self.dev1)",
         replace="        self.fc2 = nn.Linear(hidden, classes).to(self.dev1)\n"
@@ -228,7 +227,7 @@ MUTANTS = [
     ),
     Mutant(
         id="05-split-loses-the-relu",
-        file="05_model_parallel_ddp/train.py",
+        file="05_model_parallel_ddp/model.py",
         find="hidden = F.relu(self.fc1(x.to(self.dev0)))",
         replace="hidden = self.fc1(x.to(self.dev0))",
         claim="The split model gives the unsplit model's output and gradients.",
@@ -269,6 +268,16 @@ MUTANTS = [
                "test_the_warm_up_and_the_scaled_rate_reach_the_optimizer",),
     ),
     Mutant(
+        id="06-sqrt-rule-scales-linearly",
+        file="06_ddp_in_practice/learning_rate.py",
+        find='"sqrt": lr * math.sqrt(k)',
+        replace='"sqrt": lr * k',
+        claim="--scale-lr sqrt multiplies --lr by the square root of the global batch over 32.",
+        readme="06_ddp_in_practice/README.md"
+               "#the-learning-rate-for-the-global-batch---scale-lr---warmup-steps",
+        tests=("tests/test_06_ddp_in_practice.py::test_scale_lr_gives_the_documented_rates",),
+    ),
+    Mutant(
         id="06-model-cast-to-bf16",
         file="06_ddp_in_practice/train.py",
         find="    model = WineMLP().to(device)\n",
@@ -290,7 +299,7 @@ MUTANTS = [
     # --- lesson 07: FSDP and sharded checkpoints ---
     Mutant(
         id="07-fsdp-wraps-only-the-root",
-        file="07_sharding/train.py",
+        file="07_sharding/sharding.py",
         find="    for layer in (model.fc1, model.fc2):\n        fully_shard(layer, mesh=mesh)\n"
              "    return fully_shard(model, mesh=mesh)",
         replace="    return fully_shard(model, mesh=mesh)",
@@ -311,8 +320,8 @@ MUTANTS = [
     Mutant(
         id="07-resume-skips-an-epoch",
         file="07_sharding/train.py",
-        find='self.epochs_completed = progress["epochs_completed"]',
-        replace='self.epochs_completed = progress["epochs_completed"] + 1',
+        find='trainer.epochs_completed = progress["epochs_completed"]',
+        replace='trainer.epochs_completed = progress["epochs_completed"] + 1',
         claim="A crash and the same command again end bitwise equal to a run that never crashed.",
         readme="07_sharding/README.md#the-sharded-checkpoint",
         tests=("tests/test_07_sharding.py::"
@@ -320,7 +329,7 @@ MUTANTS = [
     ),
     Mutant(
         id="07-unfinished-save-loaded",
-        file="07_sharding/train.py",
+        file="07_sharding/sharding.py",
         find='"epoch_*", "checksums.json")',
         replace='"epoch_*", "progress.json")',
         claim="A save cut short, without its checksums.json, is never loaded.",
@@ -331,7 +340,7 @@ MUTANTS = [
     ),
     Mutant(
         id="07-adam-state-not-loaded",
-        file="07_sharding/train.py",
+        file="07_sharding/sharding.py",
         find="dcp.load(state, checkpoint_id=path)",
         replace='dcp.load({"model": state["model"]}, checkpoint_id=path)',
         claim="A checkpoint loads into another strategy and world size, Adam's state with it.",
@@ -348,6 +357,16 @@ MUTANTS = [
         readme="07_sharding/README.md#the-sharded-checkpoint",
         tests=("tests/test_07_sharding.py::"
                "test_every_strategy_learns_and_writes_lesson_01s_weights[fsdp]",),
+    ),
+    Mutant(
+        id="07-memory-counts-whole-tensors",
+        file="07_sharding/memory.py",
+        find="t.to_local() if isinstance(t, DTensor) else t for t in tensors",
+        replace="t for t in tensors",
+        claim="Each rank's memory table counts only its own shard of every sharded tensor.",
+        readme="07_sharding/README.md#who-holds-what",
+        tests=("tests/test_07_sharding.py::test_fsdp_holds_one_nth_of_everything[2]",),
+        kind="refactor",
     ),
     Mutant(
         id="07-checksums-not-checked",
@@ -404,7 +423,7 @@ MUTANTS = [
         id="09-row-wise-without-all-reduce",
         file="09_tensor_parallel/tensor_parallel.py",
         find="RowwiseParallel() if i % 2",
-        replace="RowwiseParallel(output_layouts=torch.distributed.tensor.Partial()) if i % 2",
+        replace="RowwiseParallel(output_layouts=dist.tensor.Partial()) if i % 2",
         claim="TP on 2 ranks takes one process's steps: a row-wise layer all-reduces its sums.",
         readme="09_tensor_parallel/README.md#column-wise-then-row-wise",
         tests=("tests/test_09_tensor_parallel.py::"
@@ -427,6 +446,17 @@ MUTANTS = [
         replace="dist.all_reduce(counts, op=dist.ReduceOp.SUM)",
         claim="Each test wine is counted once, by its dp group, not once per TP rank.",
         readme="09_tensor_parallel/README.md#who-reads-what",
+        tests=("tests/test_09_tensor_parallel.py::test_2d_takes_the_steps_of_ddp_on_the_dp_ranks",),
+        kind="refactor",
+    ),
+    Mutant(
+        id="09-mesh-groups-along-the-wrong-dim",
+        file="09_tensor_parallel/train.py",
+        find="for line in ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)):",
+        replace="for line in ranks.reshape(-1, ranks.size(dim)):",
+        claim="Row d of the mesh is TP group d; column t, the ranks that hold the same slices, is "
+              "a dp group.",
+        readme="09_tensor_parallel/README.md#2-d-fsdp-across-tp-groups",
         tests=("tests/test_09_tensor_parallel.py::test_2d_takes_the_steps_of_ddp_on_the_dp_ranks",),
         kind="refactor",
     ),
@@ -503,6 +533,36 @@ MUTANTS = [
         tests=("tests/test_10_pipeline_parallel.py::"
                "test_the_simulated_clock_starts_when_the_gpus_stream_has_the_input",),
     ),
+    Mutant(
+        id="10-w-dropped",
+        file="10_pipeline_parallel/split_backward.py",
+        find="    for _ in range(weights):",
+        replace="    for _ in range(weights - 1):",
+        claim="B then W, by hand, give the gradients of one ordinary backward to the last bit.",
+        readme="10_pipeline_parallel/README.md#zero-bubble-the-backward-split-in-two",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_b_then_w_by_hand_add_up_to_one_backward_and_the_controls_do_not",),
+    ),
+    Mutant(
+        id="10-w-run-twice",
+        file="10_pipeline_parallel/split_backward.py",
+        find="            param.grad = g if param.grad is None else param.grad + g",
+        replace="            param.grad = 2 * g if param.grad is None else param.grad + 2 * g",
+        claim="W adds each layer's weight gradient once, as one backward adds it.",
+        readme="10_pipeline_parallel/README.md#zero-bubble-the-backward-split-in-two",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_b_then_w_by_hand_add_up_to_one_backward_and_the_controls_do_not",),
+    ),
+    Mutant(
+        id="10-b-not-handed-back",
+        file="10_pipeline_parallel/split_backward.py",
+        find="    return dx, douts",
+        replace="    return torch.zeros_like(dx), douts",
+        claim="B hands the stage before the gradient of this stage's input, the one backward's.",
+        readme="10_pipeline_parallel/README.md#zero-bubble-the-backward-split-in-two",
+        tests=("tests/test_10_pipeline_parallel.py::"
+               "test_b_then_w_by_hand_add_up_to_one_backward_and_the_controls_do_not",),
+    ),
     # --- lesson 11: context parallelism, ring attention ---
     Mutant(
         id="11-blocks-averaged-not-merged",
@@ -538,9 +598,9 @@ MUTANTS = [
     Mutant(
         id="11-positions-counted-from-0-on-every-rank",
         file="11_context_parallel/train.py",
-        find="local_part(torch.arange(args.seq_len, device=device), self.cp_rank,\n"
-             "                                    args.cp, dim=0)",
-        replace="torch.arange(args.seq_len // args.cp, device=device)",
+        find="                for t in (inputs, targets, positions)]",
+        replace="                for t in (inputs, targets)]"
+                " + [positions[:len(positions) // self.cp]]",
         claim="Each rank embeds its tokens' positions in the whole sequence.",
         readme="11_context_parallel/README.md#who-holds-which-tokens",
         tests=("tests/test_11_context_parallel.py::"
@@ -667,7 +727,7 @@ MUTANTS = [
     Mutant(
         id="12-expert-gradients-not-summed-over-copies",
         file="12_expert_parallel/train.py",
-        find="        sum_gradients(self.experts, self.dp_group)",
+        find="        sum_gradients(self.experts, self.mesh[\"dp\"].get_group())",
         replace="        pass",
         claim="With --dp 2, each expert's gradient is summed over the ranks that hold a copy.",
         readme="12_expert_parallel/README.md#equal-to-one-process",
@@ -739,7 +799,7 @@ MUTANTS = [
     ),
     Mutant(
         id="12-busiest-rank-is-its-busiest-expert",
-        file="12_expert_parallel/train.py",
+        file="12_expert_parallel/experts.py",
         find="    per_rank = per_expert.view(len(per_expert), args.ep, -1).sum(dim=2)",
         replace="    per_rank = per_expert",
         claim="Each epoch's line names the busiest rank: the rows of its experts together.",
@@ -858,5 +918,95 @@ MUTANTS = [
         tests=("tests/test_09_tensor_parallel.py::"
                "test_nodes_that_chose_different_backends_stop_in_one_line",),
         kind="refactor",
+    ),
+    # --- lesson 14: any rank measured on fake tensors; the planner; three published tables ---
+    Mutant(
+        id="14-saved-bytes-count-the-weights",
+        file="14_planning/measure.py",
+        find="if not isinstance(base, torch.nn.Parameter) and name not in self.seen:",
+        replace="if name not in self.seen:",
+        claim="The activations are what autograd saves for backward, the weights excluded: "
+              "Korthikanti et al.'s Table 2 to the byte.",
+        readme="14_planning/README.md#korthikanti-et-als-table-2-to-the-byte",
+        tests=("tests/test_14_planning.py::test_korthikanti_table_2_to_the_byte_and_its_controls",),
+    ),
+    Mutant(
+        id="14-dropout-as-the-cpu-keeps-it",
+        file="14_planning/fake_ranks.py",
+        find='    with mock.patch.object(F, "dropout", dropout), mock.patch.object(',
+        replace="    with mock.patch.object(",
+        claim="The fake tensors claim the CPU, and dropout saves a GPU's one-byte mask.",
+        readme="14_planning/README.md#how-a-rank-is-built-without-its-memory",
+        tests=("tests/test_14_planning.py::test_korthikanti_table_2_to_the_byte_and_its_controls",),
+    ),
+    Mutant(
+        id="14-fsdp-never-kept-gathered",
+        file="14_planning/prove_zero.py",
+        find='reshard_after_forward=way == "FSDP2"',
+        replace="reshard_after_forward=True",
+        claim="FSDP2 not resharded after forward holds the bf16 weights from forward to backward: "
+              "ZeRO-2's counterpart.",
+        readme="14_planning/README.md#the-zero-papers-figure-1",
+        tests=("tests/test_14_planning.py::test_zero_figure_1_to_the_byte_and_its_control",),
+    ),
+    Mutant(
+        id="14-fsdp-gathers-in-float32",
+        file="14_planning/fake_ranks.py",
+        find="MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
+        replace="MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)",
+        claim="A rank computes in bf16 from FSDP's float32 shards: Korthikanti et al.'s 16-bit "
+              "activations, to the byte.",
+        readme="14_planning/README.md#korthikanti-et-als-table-2-to-the-byte",
+        tests=("tests/test_14_planning.py::test_korthikanti_table_2_to_the_byte_and_its_controls",),
+    ),
+    Mutant(
+        id="14-gradients-reduced-every-micro-batch",
+        file="14_planning/fake_ranks.py",
+        find="model.set_requires_gradient_sync(i == len(pairs) - 1)",
+        replace="model.set_requires_gradient_sync(True)",
+        claim="A step's collectives, calls and bytes, are lesson 13's: FSDP reduces in the last "
+              "backward only, as torch's pipeline schedules have it.",
+        readme="14_planning/README.md#the-planner-proven-honest",
+        tests=("tests/test_14_planning.py::"
+               "test_a_steps_collectives_are_lesson_13s_calls_and_bytes",),
+    ),
+    Mutant(
+        id="14-the-ends-counted-for-every-block",
+        file="14_planning/plan.py",
+        find="one + (blocks - 1) * (value(runs[-1]) - one)",
+        replace="blocks * one",
+        claim="A stage built with one block and with two gives what the whole stage holds: "
+              "lesson 13's real run's bytes per rank.",
+        readme="14_planning/README.md#the-planner-proven-honest",
+        tests=("tests/test_14_planning.py::test_each_stage_holds_what_lesson_13s_real_run_held",),
+    ),
+    Mutant(
+        id="14-stages-not-balanced",
+        file="14_planning/plan.py",
+        find="[per - 1] + [per] * (pp - 2) + [per - 1] if",
+        replace="[per] * pp if",
+        claim="126 blocks on 16 stages: one block fewer on the first and the last, as Llama 3.",
+        readme="14_planning/README.md#how-a-rank-is-built-without-its-memory",
+        tests=("tests/test_14_planning.py::"
+               "test_the_rule_tries_no_recomputation_first_then_fewer_cp_then_fewer_stages",),
+    ),
+    Mutant(
+        id="14-exercise-tp-across-nodes",
+        file="exercises/check_plan.py",
+        find="    if tp > 8:",
+        replace="    if tp > 16:",
+        claim="Exercise 14's checker refuses a TP group across nodes.",
+        readme="14_planning/README.md#the-rule-and-what-it-tries",
+        tests=("tests/test_14_planning.py::test_exercise_14_names_what_is_wrong_before_measuring",),
+    ),
+    Mutant(
+        id="14-1f1b-holds-every-micro-batch",
+        file="14_planning/plan.py",
+        find='in_flight = m if layout.schedule == "gpipe" else min(m, layout.pp - stage)',
+        replace="in_flight = m",
+        claim="Under 1F1B stage s of p holds p - s micro-batches' activations, not all m.",
+        readme="14_planning/README.md#what-a-rank-holds",
+        tests=("tests/test_14_planning.py::"
+               "test_under_1f1b_a_stage_holds_pp_minus_stage_micro_batches",),
     ),
 ]
