@@ -69,7 +69,7 @@ def check(script, folder, timeout):
         raise Mistake(f"tp {tp} spans {tp // 8} nodes: every layer's all-gathers and "
                       "reduce-scatters, for every micro-batch, would cross the network",
                       "TP inside a node, at most its 8 GPUs (lesson 13's rule)",
-                      readme(LESSON, "the-rule-and-what-it-tries"))
+                      readme("14_planning", "the-rule-and-what-it-tries"))
     out = os.path.join(folder, "plan")
     try:
         done = subprocess.run(
@@ -82,7 +82,7 @@ def check(script, folder, timeout):
     if refused:
         raise Mistake(f"the planner refuses it: {refused[0].removeprefix('error: ')}",
                       "a layout must split the model's heads and blocks, its tokens and its "
-                      "batch", readme(LESSON, "bad-input"))
+                      "batch", readme("14_planning", "bad-input"))
     if done.returncode:
         raise Unchecked(f"the planner failed:\n{done.stderr[-2000:]}")
     with open(os.path.join(out, "plan.json")) as f:
@@ -94,4 +94,4 @@ def check(script, folder, timeout):
         raise Mistake(f"stage {worst['stage']}'s first rank holds {worst['total'] / GB:.1f} GB, "
                       f"{(worst['total'] - plan['budget']) / GB:.1f} GB over the budget of "
                       f"{plan['budget'] / GB:g} GB; {most} {worst[most] / GB:.1f} GB of it",
-                      FIXES[most], readme(LESSON, "what-a-rank-holds"))
+                      FIXES[most], readme("14_planning", "what-a-rank-holds"))
