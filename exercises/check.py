@@ -56,6 +56,7 @@ class Exercise:
     without: str = ""  # a module class the exercise takes out, which your run must not use
     layout: str = "data"  # what a rank holds: the whole model ("data"), a slice of each layer
     # ("tensor": check_tp.py's checks), or some of the layers ("pipeline": check_pp.py's); or
+    # "split": one stage's backward split in two, alone (check_pp.py's check_split);
     # "context": the ring attention alone, checked by check_cp.py; "experts": the mixture of
     # experts' dispatch and combine alone, checked by check_ep.py; "3d": lesson 13's step on
     # five layouts, checked by check_3d.py
@@ -92,6 +93,11 @@ EXERCISES = {
                                             "--microbatches", "4", "--layers", "3",
                                             "--timeout", "20", *SMALL],
                    world_size=2, layout="pipeline"),
+    # Part two: your split_backward.py (beside the script named), B and W on one stage, on one
+    # process, against one ordinary backward.
+    "10b": Exercise("the backward split in two", "10_pipeline_by_hand.md#part-two-the-backward-"
+                    "split-in-two", "10_pipeline_parallel", [], world_size=1, layout="split",
+                    passes="your B and W add up to one backward, on every check"),
     # Your ring_attention.py (beside the script named), against full attention; then at 4 ranks.
     "11": Exercise("the ring's causal mask and merge", "11_ring_merge.md", "11_context_parallel",
                    [], world_size=4, layout="context",
@@ -634,6 +640,8 @@ def check(exercise, script, timeout):
     os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(folder, "tmp")
     os.mkdir(tempfile.tempdir)
     try:
+        if exercise.layout == "split":
+            return check_pp.check_split(script)
         if exercise.layout == "context":
             return check_cp.check(script, folder, timeout)
         if exercise.layout == "experts":
@@ -704,8 +712,9 @@ def check(exercise, script, timeout):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("exercise", help=f"the exercise: {', '.join(EXERCISES)}")
-    parser.add_argument("script", help="your train.py (exercise 11: your ring_attention.py; "
-                        "12: your experts.py; 13: your copy's train.py)")
+    parser.add_argument("script", help="your train.py (exercise 10b: your split_backward.py; "
+                        "11: your ring_attention.py; 12: your experts.py; 13: your copy's "
+                        "train.py)")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds each run may take before it is stopped")
     args = parser.parse_args(argv)

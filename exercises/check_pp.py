@@ -7,12 +7,16 @@ batch's mean loss over its real rows. A run that stopped in a deadlock is read f
 recvs each rank began (the probe writes each as it starts, and again when it ends).
 """
 
+import copy
+import importlib.util
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from verdicts import Mistake, readme
+from verdicts import Mistake, Unchecked, readme
 
 BY_HAND = readme("10_pipeline_parallel", "by-hand-all-forwards-then-all-backwards")
 VERB = {"send": "send", "recv": "receive"}
@@ -202,3 +206,114 @@ def check_loss_figure(losses, lesson_losses, wines, steps_per_epoch, exercise):
                       f"lesson's times {wines.train_size}/{padded}", "the padding rows counted: "
                       f"the epoch's mean is over its {wines.train_size} real rows, not the "
                       f"{padded} the padded batches hold", THE_LOSS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part two (exercise 10b): the backward split in two, B then W, on one process
+# ---------------------------------------------------------------------------------------------
+SPLIT = readme("10_pipeline_parallel", "zero-bubble-the-backward-split-in-two")
+EXACT = 1e-12  # float64: the same products summed in another order differ by ~1e-15
+
+
+def load_split(script):
+    """Your split_backward.py, the file beside the script named, with its folder's model.py
+    and pipeline.py (which it imports) first on the path."""
+    folder = os.path.dirname(script)
+    path = os.path.join(folder, "split_backward.py")
+    if not os.path.isfile(path):
+        raise Unchecked(f"there is no split_backward.py beside {script}")
+    sys.path.insert(0, folder)
+    for name in ("model", "pipeline"):  # the folder's own, not another lesson's
+        sys.modules.pop(name, None)
+    spec = importlib.util.spec_from_file_location("your_split_backward", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 (any error of the learner's file is one line)
+        raise Unchecked(f"your split_backward.py failed to import: {error!r}") from None
+    return module
+
+
+def call(what, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as error:  # noqa: BLE001
+        said = f": {error}" if str(error) else ""
+        raise Unchecked(f"{what} raised {type(error).__name__}{said}") from None
+
+
+def grads_of(stage):
+    return [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
+
+
+def equal(grads, others, factor=1):
+    return all(g is not None and torch.allclose(g, factor * o, rtol=0, atol=EXACT)
+               for g, o in zip(grads, others, strict=True))
+
+
+def check_split(script):
+    """Two micro-batches through your B, both, then your W, both, as a zero-bubble schedule
+    defers W: each B must hand back one backward's input gradient and leave the weights alone;
+    the W's must add up to the two backwards' weight gradients, in float64, to rounding."""
+    split = load_split(script)
+    stage, x, grad = split.middle_stage()
+    generator = torch.Generator().manual_seed(1)
+    batches = [(x, grad), (torch.randn(x.shape, generator=generator, dtype=x.dtype),
+                           torch.randn(grad.shape, generator=generator, dtype=grad.dtype))]
+    whole = copy.deepcopy(stage)  # one ordinary backward per micro-batch, on a copy
+    handed, per_batch = [], []
+    for x, grad in batches:
+        x = x.detach().requires_grad_()
+        whole.zero_grad(set_to_none=True)
+        whole(x).backward(grad)
+        handed.append(x.grad)
+        per_batch.append(grads_of(whole))
+    both = [a + b for a, b in zip(*per_batch, strict=True)]
+    saved, before_w = [], None
+    for i, ((x, grad), expected) in enumerate(zip(batches, handed, strict=True)):
+        x = x.detach().requires_grad_()
+        out, inputs, outputs = split.forward_keeping(stage, x)
+        dx, douts = call("backward_input", split.backward_input, out, grad, x, outputs)
+        if not isinstance(dx, torch.Tensor) or dx.shape != expected.shape or not torch.allclose(
+                dx, expected, rtol=0, atol=EXACT):
+            seen = "no tensor" if not isinstance(dx, torch.Tensor) else (
+                "zeros" if not dx.any() else "another tensor")
+            raise Mistake(f"for micro-batch {i + 1}, backward_input returned {seen} as the "
+                          "gradient of the stage's input, not one backward's",
+                          "B's result not handed back: the stage before waits for the gradient "
+                          "of this stage's input x, the first of torch.autograd.grad(out, "
+                          "[x, *outputs], grad); return it", SPLIT)
+        saved.append((inputs, douts))
+        before_w = grads_of(stage)
+    if any(g is not None and g.any() for g in before_w):
+        if equal(before_w, both):
+            raise Mistake("after both micro-batches' B, before any W, the weights' gradients are "
+                          "already one backward's", "B computed the weights' gradients too "
+                          "(out.backward, or autograd.grad asked for the weights): it must ask "
+                          "for the input's and the layers' outputs' gradients only, so that W, "
+                          "run later, is what fills the bubble", SPLIT)
+        raise Mistake("backward_input changed the weights' gradients", "B asks autograd for the "
+                      "gradients of x and of each layer's output, and of no weight", SPLIT)
+    for inputs, douts in saved:
+        call("backward_weight", split.backward_weight, stage, inputs, douts)
+    after = grads_of(stage)
+    if all(g is None or not g.any() for g in after):
+        raise Mistake("after both micro-batches' W, the weights have no gradient",
+                      "W dropped: backward_weight must add each layer's dW = dz^T a and "
+                      "db = dz summed over the rows to .grad", SPLIT)
+    if equal(after, both, 2):
+        raise Mistake("after both micro-batches' W, every weight's gradient is twice one "
+                      "backward's", "W run twice: each micro-batch's W adds its gradients "
+                      "once", SPLIT)
+    if equal(after, per_batch[-1]):
+        raise Mistake("after both micro-batches' W, the weights' gradients are those of the "
+                      "last micro-batch alone", "each W replaced .grad: add to it (a gradient "
+                      "of None the first time), as backward does, so that the micro-batches' "
+                      "gradients add up", SPLIT)
+    if not equal(after, both):
+        gap = max(float("inf") if g is None else (g - o).abs().max().item()
+                  for g, o in zip(after, both, strict=True))
+        raise Mistake(f"after both micro-batches' W, the weights' gradients differ from two "
+                      f"backwards' by up to {gap:.3g}", "each layer's dW is dz^T a (dz: the "
+                      "gradient at its output, a: its input) and db dz summed over the rows; "
+                      "compare your backward_weight with the README's", SPLIT)

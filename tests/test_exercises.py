@@ -121,6 +121,23 @@ CASES = [
          (("totals[1] += len(labels) * self.has_last_stage",
            "totals[1] += self.args.batch_size * self.has_last_stage"),),
          "the padding rows counted", "10-padding-counted-in-the-figure"),
+    # Exercise 10b, on one process: two micro-batches' B, then their W.
+    from_mutant("10b", "10-b-not-handed-back", "B's result not handed back"),
+    from_mutant("10b", "10-w-run-twice", "W run twice"),
+    Case("10b", "10_pipeline_parallel",
+         (("            param.grad = g if param.grad is None else param.grad + g",
+           "            pass"),),
+         "W dropped", "10b-w-dropped"),
+    Case("10b", "10_pipeline_parallel",
+         (("            param.grad = g if param.grad is None else param.grad + g",
+           "            param.grad = g"),),
+         "each W replaced .grad", "10b-w-replaces-the-gradient"),
+    # B by one ordinary backward: W then adds the weights' gradients a second time.
+    Case("10b", "10_pipeline_parallel",
+         (("    dx, *douts = torch.autograd.grad(out, [x, *outputs], grad)\n",
+           "    dx, *douts = torch.autograd.grad(out, [x, *outputs], grad, retain_graph=True)\n"
+           "    out.backward(grad)\n"),),
+         "B computed the weights' gradients too", "10b-b-computes-the-weights-too"),
     from_mutant("11", "11-blocks-averaged-not-merged", "merge averaged the outputs"),
     from_mutant("11", "11-later-chunks-not-masked", "the causal mask dropped across chunks"),
     Case("11", "11_context_parallel",
@@ -186,7 +203,8 @@ CASES = [
 ]
 LESSONS = {"02": "02_multi_gpu_spawn", "03": "03_multi_node", "04": "04_checkpointing",
            "07": "07_sharding", "08": "08_ddp_from_scratch", "09": "09_tensor_parallel",
-           "10": "10_pipeline_parallel", "11": "11_context_parallel", "12": "12_expert_parallel"}
+           "10": "10_pipeline_parallel", "10b": "10_pipeline_parallel",
+           "11": "11_context_parallel", "12": "12_expert_parallel"}
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +299,18 @@ def test_bad_input_gets_one_line_within_the_bound(what, tmp_path, monkeypatch):
         assert time.monotonic() - started < 60
         with pytest.raises(ProcessLookupError):
             os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+@pytest.mark.exercises
+def test_a_split_backward_not_yet_written_cannot_be_checked_and_says_why(tmp_path):
+    # Exercise 10b's start: backward_input's body replaced by raise NotImplementedError.
+    script = copy_lesson("10_pipeline_parallel", tmp_path / "mine", [(
+        "    dx, *douts = torch.autograd.grad(", "    raise NotImplementedError\n"
+                                             "    dx, *douts = torch.autograd.grad(")])
+    done = check("10b", script.parent / "split_backward.py", tmp_path)
+    assert (done.returncode, done.stdout.strip()) == (
+        2, "CANNOT CHECK exercise 10b (the backward split in two): backward_input raised "
+           "NotImplementedError"), done.stdout + done.stderr
 
 
 @pytest.mark.exercises
