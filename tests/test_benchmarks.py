@@ -40,9 +40,10 @@ REPEATS = 2
 TINY = ["--quick", "--image-size", 32, "--batch-size", 2, "--steps", 1, "--warmup", 1,
         "--mlp-steps", 10, "--allreduce-sizes", "4K,64K", "--allreduce-iters", 2,
         "--repeats", REPEATS]
-# Lesson 10's four schedules on 2 stages, tiny: 4 linear layers (interleaved: 4 chunks of 1),
-# batch 2 in 2 micro-batches, layers sleeping 2 ms (1 step per repeat), 2 steps without.
-SCHEDULES = ("afab", "gpipe", "1f1b", "interleaved")
+# Five of lesson 10's schedules on 2 stages, tiny: 4 linear layers (interleaved and ZB-V: 4
+# chunks of 1), batch 2 in 2 micro-batches, layers sleeping 2 ms (1 step per repeat), 2 steps
+# without.
+SCHEDULES = ("afab", "gpipe", "1f1b", "interleaved", "zbv")
 PIPELINE_TINY = ["--pipeline", ",".join(SCHEDULES), "--pipeline-layers", 3, "--microbatches", 2,
                  "--simulate-ms", 2, "--pipeline-steps", 2, "--bubble-steps", 1]
 ROW_TYPES = {"model": str, "case": str, "world_size": int, "processes": int, "backend": str,
@@ -496,16 +497,16 @@ def test_bus_bandwidth_is_algbw_times_2_n_minus_1_over_n(world_size, factor):
 
 def test_progress_and_table_are_printed(cpu_run):
     result, _ = cpu_run
-    assert "[1/46] wine-mlp plain ws=1" in result.stdout, result.stdout
-    assert "[3/46] wine-mlp zero1 ws=1" in result.stdout, result.stdout
-    assert "[11/46] resnet18 plain (noise check, before the rounds) ws=1" in result.stdout
-    assert "[15/46] wine-mlp tp (dp 1 x tp 2) ws=2" in result.stdout, result.stdout
-    assert "[35/46] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
-    assert ("[36/46] wine-mlp --layers 3 pipeline one process, 2 micro-batches, simulated 2 "
+    assert "[1/48] wine-mlp plain ws=1" in result.stdout, result.stdout
+    assert "[3/48] wine-mlp zero1 ws=1" in result.stdout, result.stdout
+    assert "[11/48] resnet18 plain (noise check, before the rounds) ws=1" in result.stdout
+    assert "[15/48] wine-mlp tp (dp 1 x tp 2) ws=2" in result.stdout, result.stdout
+    assert "[35/48] all-reduce gloo on cpu ws=2 64 KiB" in result.stdout, result.stdout
+    assert ("[36/48] wine-mlp --layers 3 pipeline one process, 2 micro-batches, simulated 2 "
             "ms/layer ws=1") in result.stdout, result.stdout
-    assert ("[40/46] wine-mlp --layers 3 pipeline interleaved p=2 x v=2, 2 micro-batches, "
+    assert ("[40/48] wine-mlp --layers 3 pipeline interleaved p=2 x v=2, 2 micro-batches, "
             "simulated 2 ms/layer ws=2") in result.stdout, result.stdout
-    assert "[46/46] resnet18 plain (noise check, after the rounds) ws=1" in result.stdout
+    assert "[48/48] resnet18 plain (noise check, after the rounds) ws=1" in result.stdout
     # What lesson 09's layouts leave out, and why, the way other skipped cases are reported.
     for line in ("skipped: resnet18 tp, 2d: lesson 09's plan splits Linear layers",
                  "skipped: wine-mlp tp at world size(s) 1: one TP group of every rank needs 2",
@@ -562,18 +563,18 @@ def test_noise_check_says_when_the_machine_is_too_busy():
 
 
 def test_pipeline_rows_give_every_schedules_bubble_beside_its_formula(cpu_run):
-    """Lesson 10's four schedules on 2 stages, each simulated (the bubble) and not, beside one
+    """Five of lesson 10's schedules on 2 stages, each simulated (the bubble) and not, beside one
     process running the same micro-batches in turn: the formula column is (p - 1) / (v*m + p -
-    1) for each row's p, v and m, the bubble the median of its repeats' (each within [0, 1)),
+    1) for each row's p, v and m (ZB-V's 0), the bubble the median of its repeats' (each within [0, 1)),
     samples/s and the speed-up against the one process of the same launch and simulation."""
     result, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "pipeline")
     found = {(r["case"], r["schedule"], r["stages"], r["chunks"], r["simulate_ms"]) for r in rows}
-    assert found == {(case, schedule, stages, 2 if schedule == "interleaved" else 1, ms)
+    assert found == {(case, schedule, stages, 2 if schedule in ("interleaved", "zbv") else 1, ms)
                      for ms in (2.0, None)
                      for case, schedule, stages in [("one-process", "afab", 1)] +
                      [("pipeline", s, 2) for s in SCHEDULES]}, found
-    assert len(rows) == len(found) == 10
+    assert len(rows) == len(found) == 12
     base = {ms: next(r for r in rows if r["case"] == "one-process" and r["simulate_ms"] == ms)
             for ms in (2.0, None)}
     for row in rows:
@@ -581,7 +582,8 @@ def test_pipeline_rows_give_every_schedules_bubble_beside_its_formula(cpu_run):
         assert (row["model"], row["layers"], m, row["global_batch"]) == ("wine-mlp", 3, 2, 2), row
         assert row["world_size"] == p and row["processes"] == 2, row
         assert row["threads_per_rank"] == max(1, CORES // 2), row
-        assert row["bubble_formula"] == pytest.approx((p - 1) / (v * m + p - 1)), row
+        assert row["bubble_formula"] == pytest.approx(  # ZB-V's: none at F = B = W
+            0 if row["schedule"] == "zbv" else (p - 1) / (v * m + p - 1)), row
         assert row["repeats"] == REPEATS and row["samples_per_s"] > 0, row
         assert row["speedup"] == pytest.approx(
             row["samples_per_s"] / base[row["simulate_ms"]]["samples_per_s"]), row
@@ -598,7 +600,7 @@ def test_pipeline_rows_give_every_schedules_bubble_beside_its_formula(cpu_run):
     formulas = {(r["schedule"], r["stages"]): r["bubble_formula"] for r in rows}
     assert formulas == {("afab", 1): 0, ("afab", 2): pytest.approx(1 / 3),
                         ("gpipe", 2): pytest.approx(1 / 3), ("1f1b", 2): pytest.approx(1 / 3),
-                        ("interleaved", 2): pytest.approx(1 / 5)}
+                        ("interleaved", 2): pytest.approx(1 / 5), ("zbv", 2): 0}
     interleaved = next(r for r in rows if r["schedule"] == "interleaved" and r["simulate_ms"])
     assert re.search(rf"\ninterleaved +2x2 +0\.200 +{interleaved['bubble']:.3f} ", result.stdout), \
         result.stdout
@@ -625,7 +627,7 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
     # 8 linear layers do not split into 3 stages, nor into 6 (3 ranks x 2 chunks).
     assert [line for line in skipped if line.startswith("pipeline")] == [
         "pipeline afab, gpipe, 1f1b at world size 3: 8 linear layers (--pipeline-layers 7) do "
-        "not split evenly into 3 stages", "pipeline interleaved at world size 3: 8 linear "
+        "not split evenly into 3 stages", "pipeline interleaved, zbv at world size 3: 8 linear "
         "layers (--pipeline-layers 7) do not split evenly into 6 stages"]
     args = parse_args(["--device", "cpu", "--max-world-size", "4", "--pipeline",
                        ",".join(SCHEDULES), "--pipeline-layers", "3",
@@ -634,7 +636,7 @@ def test_pipeline_cases_are_planned_where_the_layers_split():
     assert {c["schedule"] for c in plan[4] if c["case"] == "pipeline"} == {"afab", "gpipe"}
     assert [line for line in skipped if "at world size 4" in line] == [
         "pipeline 1f1b at world size 4: 1f1b needs at least one micro-batch per stage "
-        "(--microbatches 2)", "pipeline interleaved at world size 4: 4 linear layers "
+        "(--microbatches 2)", "pipeline interleaved, zbv at world size 4: 4 linear layers "
         "(--pipeline-layers 3) do not split evenly into 8 stages"]
     assert parse_args(["--device", "cpu"]).pipeline == []
     one_rank = parse_args(["--device", "cpu", "--max-world-size", "1", "--pipeline",
@@ -663,6 +665,14 @@ def test_pipeline_schedules_are_refused_only_where_torch_refuses_them():
     assert problem("1f1b", 4, 3) == "1f1b needs at least one micro-batch per stage " \
                                     "(--microbatches 3)"
     assert problem("1f1b", 4, 4) is None and problem("gpipe", 4, 1) is None
+    # ScheduleInterleavedZeroBubble keeps interleaved's rounds; ScheduleDualPipeV wants a
+    # micro-batch per stage, two stages a rank.
+    assert problem("zb1p", 2, 5) == ("zb1p runs the micro-batches in 2 equal rounds "
+                                     "(--microbatches 5 does not split into them)")
+    assert problem("zb1p", 2, 4) is None and problem("zbv", 2, 1) is None
+    assert problem("dualpipev", 2, 3) == ("dualpipev needs at least one micro-batch per stage, "
+                                          "4 (--microbatches 3)")
+    assert problem("dualpipev", 2, 4) is None
 
 
 def test_pipeline_speed_up_is_against_one_process_of_the_same_launch_and_simulation():
@@ -681,8 +691,8 @@ def test_pipeline_speed_up_is_against_one_process_of_the_same_launch_and_simulat
     assert [r.get("ideal_speedup") for r in rows] == [
         1, pytest.approx(16 / 9), None, None, 1, pytest.approx(32 / 11), None, None]
     # A row's bubble: the median of its repeats', with their spread, and the formula's.
-    case = {"case": "pipeline", "stages": 4, "chunks": 2, "microbatches": 8, "global_batch": 16,
-            "steps": 2, "simulate_ms": 10.0}
+    case = {"case": "pipeline", "schedule": "interleaved", "stages": 4, "chunks": 2,
+            "microbatches": 8, "global_batch": 16, "steps": 2, "simulate_ms": 10.0}
     row = summarise_pipeline(case, [0.8, 1.6, 0.4], [3, 9, 15], [0.3, 0.2, 0.5], 4)
     assert (row["bubble"], row["bubble_min"], row["bubble_max"]) == (0.3, 0.2, 0.5)
     assert row["bubble_formula"] == pytest.approx(3 / 19)

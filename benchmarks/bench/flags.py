@@ -29,9 +29,11 @@ HIDDEN = 64  # the wine MLP's hidden units: fc1's output columns, dealt out over
 LESSON08 = COURSE / "08_ddp_from_scratch"
 GRAD_SYNC = ("after-backward", "flat", "overlap", "buckets", "ddp")
 # Lesson 10's schedules, measured with --pipeline: its own Trainer.train_step on its deeper wine
-# MLP (WineMLP(hidden, layers)), split by its split_model, one stage per rank (interleaved: two).
+# MLP (WineMLP(hidden, layers)), split by its split_model, one stage per rank (interleaved, zbv
+# and dualpipev: two).
 LESSON10 = COURSE / "10_pipeline_parallel"
-PIPELINE = ("afab", "gpipe", "1f1b", "interleaved")
+PIPELINE = ("afab", "gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev")
+TWO_CHUNKS = ("interleaved", "zbv", "dualpipev")  # the schedules that put two stages on a rank
 
 
 def fail(message):

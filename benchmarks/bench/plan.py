@@ -2,7 +2,7 @@
 per family of cases, and the cases left out with the reason."""
 
 from bench.cases import tensor_layout
-from bench.flags import HIDDEN, TENSOR_PARALLEL, TP_2D
+from bench.flags import HIDDEN, TENSOR_PARALLEL, TP_2D, TWO_CHUNKS
 
 
 def plan_cases(args, device_type, cores):
@@ -230,7 +230,7 @@ def plan_pipeline(plan):
                 plan.cases[world_size].append({
                     "case": case, "model": "wine-mlp", "schedule": schedule, "knob": None,
                     "world_size": stages, "stages": stages,
-                    "chunks": 2 if schedule == "interleaved" else 1, "backend": plan.backend,
+                    "chunks": 2 if schedule in TWO_CHUNKS else 1, "backend": plan.backend,
                     "device": plan.device_type,
                     "threads_per_rank": max(1, plan.cores // world_size),
                     "layers": args.pipeline_layers, "microbatches": args.microbatches,
@@ -251,10 +251,11 @@ def tensor_parallel_sizes(layout, top):
 
 def pipeline_problem(schedule, stages, args):
     """Why lesson 10's schedule cannot run on this many stages, or None (its check_pipeline's
-    rules): the linear layers split evenly over the stages (interleaved: 2 per rank); as torch
-    requires, 1f1b a micro-batch per stage, interleaved micro-batches that split into
-    max(1, m // stages) equal rounds."""
-    pieces, linears = stages * (2 if schedule == "interleaved" else 1), args.pipeline_layers + 1
+    rules): the linear layers split evenly over the stages (interleaved, zbv, dualpipev: 2 per
+    rank); as torch requires, 1f1b a micro-batch per stage, interleaved and zb1p micro-batches
+    that split into max(1, m // stages) equal rounds, dualpipev 2 micro-batches per rank."""
+    pieces = stages * (2 if schedule in TWO_CHUNKS else 1)
+    linears = args.pipeline_layers + 1
     if linears % pieces:
         return f"{linears} linear layers (--pipeline-layers {args.pipeline_layers}) do not " \
                f"split evenly into {pieces} stages"
@@ -262,7 +263,10 @@ def pipeline_problem(schedule, stages, args):
         return f"1f1b needs at least one micro-batch per stage (--microbatches " \
                f"{args.microbatches})"
     rounds = max(1, args.microbatches // stages)
-    if schedule == "interleaved" and args.microbatches % rounds:
-        return f"interleaved runs the micro-batches in {rounds} equal rounds (--microbatches " \
+    if schedule in ("interleaved", "zb1p") and args.microbatches % rounds:
+        return f"{schedule} runs the micro-batches in {rounds} equal rounds (--microbatches " \
                f"{args.microbatches} does not split into them)"
+    if schedule == "dualpipev" and args.microbatches < 2 * stages:
+        return f"dualpipev needs at least one micro-batch per stage, {2 * stages} " \
+               f"(--microbatches {args.microbatches})"
     return None

@@ -129,9 +129,10 @@ def print_pipeline(rows):
           f"{first['microbatches']} micro-batches; median of the repeats (min-max). bubble: "
           "idle share of the p ranks' time per step, with each layer sleeping "
           f"{number(first['simulate_ms'], 'g')} ms forward and "
-          "twice that backward, against (p - 1) / (v*m + p - 1); speed-up: against one process "
-          "running the same micro-batches in turn, same threads, measured in the same launch; "
-          "ideal: p x (1 - formula)")
+          "twice that backward (B and W each once), against lesson 10's prediction at "
+          "F = B = W ((p - 1) / (v*m + p - 1); zb1p (p - 1) / (3m + p - 1); zbv 0; dualpipev "
+          "none); speed-up: against one process running the same micro-batches in turn, same "
+          "threads, measured in the same launch; ideal: p x (1 - formula)")
     header = (f"{'schedule':12} {'p x v':>5} {'formula':>7} {'bubble':>6} {'min-max':>11} "
               f"{'sim. samples/s':>14} {'min-max':>13} {'speed-up':>8} {'ideal':>5} "
               f"{'samples/s':>9} {'min-max':>15} {'speed-up':>8}")
@@ -146,7 +147,7 @@ def print_pipeline(rows):
         any_row = sim or plain
         name = schedule if case == "pipeline" else "one process"
         columns = f"{name:12} {any_row['stages']:>3}x{any_row['chunks']} " \
-                  f"{any_row['bubble_formula']:7.3f} "
+                  f"{number(any_row['bubble_formula'], '7.3f'):>7} "
         if sim:
             columns += (f"{sim['bubble']:6.3f} {sim['bubble_min']:.3f}-{sim['bubble_max']:.3f} "
                         f"{sim['samples_per_s']:14.1f} {spread(sim):>13} "

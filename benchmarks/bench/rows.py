@@ -1,12 +1,14 @@
 """The results: each case's row (the median of its repeats, with their spread), the speed-ups
 computed across rows, the files they are written to, and the noise check."""
 
+import argparse
 import csv
+import functools
 import json
 import os
 import statistics
 
-from bench.cases import ALONE, PIPELINE_CASES, tensor_layout
+from bench.cases import ALONE, PIPELINE_CASES, lesson10, tensor_layout
 from bench.flags import SHARDED, TENSOR_PARALLEL
 
 ROW_FIELDS = ("model", "case", "knob", "knob_value", "world_size", "processes", "backend",
@@ -65,7 +67,7 @@ def summarise_pipeline(case, seconds, order, bubbles, processes):
     row.update(processes=processes, repeats=len(rates), seconds=statistics.median(seconds),
                samples_per_s=statistics.median(rates), samples_per_s_min=min(rates),
                samples_per_s_max=max(rates), repeat_samples_per_s=rates, repeat_order=order,
-               bubble_formula=bubble_formula(case["stages"], case["chunks"],
+               bubble_formula=bubble_formula(case["schedule"], case["stages"],
                                              case["microbatches"]))
     if bubbles:
         row.update(bubble=statistics.median(bubbles), bubble_min=min(bubbles),
@@ -73,11 +75,21 @@ def summarise_pipeline(case, seconds, order, bubbles, processes):
     return row
 
 
-def bubble_formula(stages, chunks, microbatches):
-    """The bubble of a schedule with no overheads: of the v*m + p - 1 slots a stage's work
-    spreads over (each of its v chunks' m micro-batches, plus p - 1 while the pipeline fills
-    and drains), p - 1 are idle."""
-    return (stages - 1) / (chunks * microbatches + stages - 1)
+def bubble_formula(schedule, stages, microbatches):
+    """The bubble of a schedule with no overheads, with F = B = W as the simulation sleeps them,
+    by lesson 10's own predicted (its timeline.py): (p - 1) / (v*m + p - 1) for afab, GPipe,
+    1F1B and interleaved (of the v*m + p - 1 slots a stage's work spreads over, p - 1 are idle);
+    (p - 1) / (3m + p - 1) for zb1p, ZB-H1's idle (p - 1)(F + B - W) of m (F + B + W); 0 for zbv;
+    None for dualpipev, for which no paper gives one."""
+    settings = argparse.Namespace(schedule=schedule, stages=stages, microbatches=microbatches,
+                                  simulate_ms=1.0, backward_ms=1.0, weight_ms=1.0)
+    return timeline().predicted(settings)
+
+
+@functools.cache
+def timeline():
+    """Lesson 10's timeline.py, imported once."""
+    return lesson10("timeline")
 
 
 def result_text(case, row):
@@ -88,8 +100,10 @@ def result_text(case, row):
     result = (f"{row['samples_per_s']:.1f} samples/s "
               f"({row['samples_per_s_min']:.1f}-{row['samples_per_s_max']:.1f})")
     if case["case"] in PIPELINE_CASES and row["bubble"] is not None:
+        formula = row["bubble_formula"]
         result += (f", bubble {row['bubble']:.3f} ({row['bubble_min']:.3f}-"
-                   f"{row['bubble_max']:.3f}), formula {row['bubble_formula']:.3f}")
+                   f"{row['bubble_max']:.3f}), formula "
+                   f"{'none' if formula is None else format(formula, '.3f')}")
     return result
 
 
@@ -189,7 +203,7 @@ def add_pipeline_speedups(rows):
                     None)
         if base:
             row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
-        if row["simulate_ms"] is not None:
+        if row["simulate_ms"] is not None and row["bubble_formula"] is not None:
             row["ideal_speedup"] = row["stages"] * (1 - row["bubble_formula"])
     return rows
 
