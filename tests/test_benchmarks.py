@@ -565,8 +565,9 @@ def test_noise_check_says_when_the_machine_is_too_busy():
 def test_pipeline_rows_give_every_schedules_bubble_beside_its_formula(cpu_run):
     """Five of lesson 10's schedules on 2 stages, each simulated (the bubble) and not, beside one
     process running the same micro-batches in turn: the formula column is (p - 1) / (v*m + p -
-    1) for each row's p, v and m (ZB-V's 0), the bubble the median of its repeats' (each within [0, 1)),
-    samples/s and the speed-up against the one process of the same launch and simulation."""
+    1) for each row's p, v and m (ZB-V's 0), the bubble the median of its repeats' (each within
+    [0, 1)), samples/s and the speed-up against the one process of the same launch and
+    simulation."""
     result, out_dir = cpu_run
     rows, _ = read_rows(out_dir, "pipeline")
     found = {(r["case"], r["schedule"], r["stages"], r["chunks"], r["simulate_ms"]) for r in rows}
