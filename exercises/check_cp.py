@@ -9,7 +9,6 @@ them (averaged outputs are the named mistake); then lesson 11's prove_ring.py, r
 ring_attention.py at 4 ranks, must find the ring's output and gradients equal to full
 attention's."""
 
-import importlib.util
 import os
 import re
 import shutil
@@ -19,33 +18,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from verdicts import Mistake, Unchecked, readme
+from verdicts import Mistake, Unchecked, call, load_beside, readme
 
 LESSON = "11_context_parallel"
 CLOSE = 1e-12  # float64: the same sums in another order differ by ~1e-15
 CHUNKS, TOKENS = 4, 4  # a sequence of 4 chunks of 4 tokens
-
-
-def load(script):
-    """Your ring_attention.py, the file beside the script named on the command line."""
-    path = os.path.join(os.path.dirname(script), "ring_attention.py")
-    if not os.path.isfile(path):
-        raise Unchecked(f"there is no ring_attention.py beside {script}")
-    spec = importlib.util.spec_from_file_location("your_ring_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001 (any error of the learner's file is one line)
-        raise Unchecked(f"your ring_attention.py failed to import: {error!r}") from None
-    return module
-
-
-def call(what, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as error:  # noqa: BLE001
-        said = f": {error}" if str(error) else ""
-        raise Unchecked(f"{what} raised {type(error).__name__}{said}") from None
 
 
 def sequence():
@@ -140,7 +117,7 @@ def check_ring(script, folder, timeout):
 
 
 def check(script, folder, timeout):
-    module = load(script)
+    module = load_beside(script, "ring_attention.py")
     check_masks(module)
     check_merge(module)
     check_ring(script, folder, timeout)

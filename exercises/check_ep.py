@@ -15,7 +15,6 @@ differ."""
 
 import contextlib
 import datetime
-import importlib.util
 import logging
 import math
 import os
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verdicts import Mistake, Unchecked, free_port, read, readme
+from verdicts import Mistake, Unchecked, free_port, load_beside, read, readme
 
 CLOSE = 1e-12  # float64: the same sums in another order differ by ~1e-15
 BATCH, TOKENS, DIM = 4, 16, 8  # prove_experts.py's: 4 sequences of 16 tokens, 8 features
@@ -53,20 +52,6 @@ def setting_name(setting):
 # ---------------------------------------------------------------------------------------------
 # Your experts.py, and one layer's run of it
 # ---------------------------------------------------------------------------------------------
-def load(script):
-    """Your experts.py, the file beside the script named on the command line."""
-    path = os.path.join(os.path.dirname(os.path.abspath(script)), "experts.py")
-    if not os.path.isfile(path):
-        raise Unchecked(f"there is no experts.py beside {script}")
-    spec = importlib.util.spec_from_file_location("your_experts", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001 (any error of the learner's file is one line)
-        raise Unchecked(f"your experts.py failed to import: {error!r}") from None
-    return module
-
-
 def describe(error, path):
     """'MoE.run_experts raised NotImplementedError': the function of your file that was
     running when the error came (the deepest of its frames in the traceback)."""
@@ -345,7 +330,7 @@ def rank_main(rank, path, folder, port, timeout):
     dist.init_process_group("gloo", rank=rank, world_size=RANKS,
                             timeout=datetime.timedelta(seconds=timeout))
     groups = {ep: [dist.new_group(ranks) for ranks in layout] for ep, layout in EP_GROUPS.items()}
-    module = load(path)
+    module = load_beside(path, "experts.py")
     results = {}
     for ep in EP_GROUPS:
         results[ep] = []
@@ -446,7 +431,7 @@ def group_results(results, ep, ranks):
 
 
 def check(script, folder, timeout):
-    module = load(script)
+    module = load_beside(script, "experts.py")
     path = os.path.join(os.path.dirname(os.path.abspath(script)), "experts.py")
     with float64():
         try:

@@ -8,7 +8,6 @@ recvs each rank began (the probe writes each as it starts, and again when it end
 """
 
 import copy
-import importlib.util
 import json
 import os
 import sys
@@ -16,7 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from verdicts import Mistake, Unchecked, readme
+from verdicts import Mistake, call, load_beside, readme
 
 BY_HAND = readme("10_pipeline_parallel", "by-hand-all-forwards-then-all-backwards")
 VERB = {"send": "send", "recv": "receive"}
@@ -215,33 +214,6 @@ SPLIT = readme("10_pipeline_parallel", "zero-bubble-the-backward-split-in-two")
 EXACT = 1e-12  # float64: the same products summed in another order differ by ~1e-15
 
 
-def load_split(script):
-    """Your split_backward.py, the file beside the script named, with its folder's model.py
-    and pipeline.py (which it imports) first on the path."""
-    folder = os.path.dirname(script)
-    path = os.path.join(folder, "split_backward.py")
-    if not os.path.isfile(path):
-        raise Unchecked(f"there is no split_backward.py beside {script}")
-    sys.path.insert(0, folder)
-    for name in ("model", "pipeline"):  # the folder's own, not another lesson's
-        sys.modules.pop(name, None)
-    spec = importlib.util.spec_from_file_location("your_split_backward", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001 (any error of the learner's file is one line)
-        raise Unchecked(f"your split_backward.py failed to import: {error!r}") from None
-    return module
-
-
-def call(what, fn, *args):
-    try:
-        return fn(*args)
-    except Exception as error:  # noqa: BLE001
-        said = f": {error}" if str(error) else ""
-        raise Unchecked(f"{what} raised {type(error).__name__}{said}") from None
-
-
 def grads_of(stage):
     return [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
 
@@ -255,7 +227,11 @@ def check_split(script):
     """Two micro-batches through your B, both, then your W, both, as a zero-bubble schedule
     defers W: each B must hand back one backward's input gradient and leave the weights alone;
     the W's must add up to the two backwards' weight gradients, in float64, to rounding."""
-    split = load_split(script)
+    # Its imports, model.py and pipeline.py, from its own folder, not another lesson's.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    for name in ("model", "pipeline"):
+        sys.modules.pop(name, None)
+    split = load_beside(script, "split_backward.py")
     stage, x, grad = split.middle_stage()
     generator = torch.Generator().manual_seed(1)
     batches = [(x, grad), (torch.randn(x.shape, generator=generator, dtype=x.dtype),

@@ -1,6 +1,8 @@
 """What every check of exercises/check.py shares: its two verdicts other than PASS, the
-tolerance, how a check points at a lesson's README, a free port, and a rank's file."""
+tolerance, how a check points at a lesson's README, a free port, a rank's file, and, for the
+checks of a module, the module and its functions' calls."""
 
+import importlib.util
 import os
 import socket
 
@@ -30,6 +32,30 @@ def same(tensors, others):
     return len(tensors) == len(others) and all(
         torch.allclose(a, b, rtol=0, atol=TOLERANCE)
         for a, b in zip(tensors, others, strict=True))
+
+
+def load_beside(script, name):
+    """Your module `name` (ring_attention.py, experts.py, split_backward.py), the file beside
+    the script named on the command line."""
+    path = os.path.join(os.path.dirname(os.path.abspath(script)), name)
+    if not os.path.isfile(path):
+        raise Unchecked(f"there is no {name} beside {script}")
+    spec = importlib.util.spec_from_file_location(f"your_{name[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001 (any error of the learner's file is one line)
+        raise Unchecked(f"your {name} failed to import: {error!r}") from None
+    return module
+
+
+def call(what, fn, *args):
+    """fn(*args), or one line naming what raised and its error."""
+    try:
+        return fn(*args)
+    except Exception as error:  # noqa: BLE001
+        said = f": {error}" if str(error) else ""
+        raise Unchecked(f"{what} raised {type(error).__name__}{said}") from None
 
 
 def free_port():
