@@ -236,7 +236,16 @@ def check_split(script):
     generator = torch.Generator().manual_seed(1)
     batches = [(x, grad), (torch.randn(x.shape, generator=generator, dtype=x.dtype),
                            torch.randn(grad.shape, generator=generator, dtype=grad.dtype))]
-    whole = copy.deepcopy(stage)  # one ordinary backward per micro-batch, on a copy
+    handed, per_batch = one_backward_each(stage, batches)
+    both = [a + b for a, b in zip(*per_batch, strict=True)]
+    saved = check_b(split, stage, batches, handed, both)
+    check_w(split, stage, saved, per_batch, both)
+
+
+def one_backward_each(stage, batches):
+    """What one ordinary backward per micro-batch gives, on a copy of the stage: the gradient of
+    its input, and the weights' gradients."""
+    whole = copy.deepcopy(stage)
     handed, per_batch = [], []
     for x, grad in batches:
         x = x.detach().requires_grad_()
@@ -244,7 +253,12 @@ def check_split(script):
         whole(x).backward(grad)
         handed.append(x.grad)
         per_batch.append(grads_of(whole))
-    both = [a + b for a, b in zip(*per_batch, strict=True)]
+    return handed, per_batch
+
+
+def check_b(split, stage, batches, handed, both):
+    """Each micro-batch's B (your backward_input): one backward's input gradient handed back, the
+    weights left alone. Returns what each W needs, (inputs, douts) a micro-batch."""
     saved, before_w = [], None
     for i, ((x, grad), expected) in enumerate(zip(batches, handed, strict=True)):
         x = x.detach().requires_grad_()
@@ -270,6 +284,12 @@ def check_split(script):
                           "run later, is what fills the bubble", SPLIT)
         raise Mistake("backward_input changed the weights' gradients", "B asks autograd for the "
                       "gradients of x and of each layer's output, and of no weight", SPLIT)
+    return saved
+
+
+def check_w(split, stage, saved, per_batch, both):
+    """Both micro-batches' W (your backward_weight), after both B: the weights' gradients add up
+    to the two backwards', once each."""
     for inputs, douts in saved:
         call("backward_weight", split.backward_weight, stage, inputs, douts)
     after = grads_of(stage)
