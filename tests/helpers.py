@@ -221,6 +221,21 @@ def assert_one_line_error(result, *fragments):
     return errors[0]
 
 
+def assert_prints_what_the_readme_shows(printed, lesson, command):
+    """A proof's output holds its README's ```text block right after the ```bash block that runs
+    `command` (its line, a trailing comment aside), as tools/check_listings.py holds a listing's
+    output to it: the check for a listing marked `same as` the test that runs its command."""
+    from check_listings import first_missing  # tools/, on sys.path (conftest.py)
+
+    text = (ROOT / lesson / "README.md").read_text()
+    after = text.split(f"```bash\n{command}", 1)[1]
+    rest = after.split("\n", 1)[0].strip()  # the command's line: nothing more, or a comment
+    assert rest == "" or rest.startswith("#"), f"{command}{rest}"
+    shown = after.split("```text\n", 1)[1].split("\n```", 1)[0].splitlines()
+    missing = first_missing(printed, shown)
+    assert missing is None, f"the README shows {missing!r}, not in this run's output:\n{printed}"
+
+
 def assert_good_run(result, out_dir, world_size, min_accuracy=0.9):
     """What every lesson's run must show: exit 0, files, one summary, falling loss, accuracy."""
     check_ok(result)

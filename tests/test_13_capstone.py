@@ -34,6 +34,7 @@ from helpers import (
     ROOT,
     assert_final_pt_holds_cpu_tensors,
     assert_one_line_error,
+    assert_prints_what_the_readme_shows,
     check_ok,
     import_guard_rails,
     import_lesson,
@@ -75,9 +76,12 @@ def one_process_three_epochs(tmp_path_factory):
 
 
 def test_every_layout_takes_one_processs_steps_and_each_mistake_does_not():
-    done = subprocess.run([sys.executable, str(ROOT / LESSON / "prove_layouts.py")],
+    # The README's command as it stands, from the repository's root: its listing is this run
+    # (tools/check_listings.py, TEST_COMMANDS), so the output it shows is checked here.
+    done = subprocess.run([sys.executable, str(ROOT / LESSON / "prove_layouts.py")], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert_prints_what_the_readme_shows(done.stdout, LESSON, f"python {LESSON}/prove_layouts.py")
     assert "every layout equal within 1e-12: True" in done.stdout, done.stdout
     assert "every control farther than 1e-06: True" in done.stdout, done.stdout
     assert done.stdout.count("dp x pp x tp = ") == 9, done.stdout  # 1x1x1 to 2x2x2, and 1F1B

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, assert_one_line_error, read_metrics
+from helpers import ROOT, assert_one_line_error, assert_prints_what_the_readme_shows, read_metrics
 
 LESSON = "14_planning"
 # The measurements take a minute or two each on 2 quiet cores; on a busy machine, many times that.
@@ -478,23 +478,11 @@ def test_llama3s_layouts_measured_and_the_control(worker):
     assert "caught: True" in printed, printed
 
 
-def readme_output(command):
-    """The lines of the README's ```text block right after the ```bash block of `command`."""
-    text = (ROOT / LESSON / "README.md").read_text()
-    after = text.split(f"```bash\n{command}\n```\n", 1)[1]
-    return after.split("```text\n", 1)[1].split("\n```", 1)[0].splitlines()
-
-
 @pytest.mark.parametrize("name", ["prove_activations", "prove_zero", "prove_llama3"])
 def test_the_readme_shows_what_each_proof_prints(worker, name):
-    # Line for line, as tools/check_listings.py compares them (`…` any text), here from the
-    # same run the tests above read: every figure the README quotes is one this run printed.
-    printed = proof(worker, name).splitlines()
-    shown = readme_output(f"python {LESSON}/{name}.py")
-    patterns = [re.compile(".*".join(map(re.escape, line.split("…")))) for line in shown]
-    assert len(printed) == len(patterns), "\n".join(printed)
-    for line, pattern in zip(printed, patterns, strict=True):
-        assert pattern.fullmatch(line), (line, pattern.pattern)
+    # As tools/check_listings.py holds a listing's output (`…` any text), here from the same run
+    # the tests above read: every figure the README quotes is one this run printed.
+    assert_prints_what_the_readme_shows(proof(worker, name), LESSON, f"python {LESSON}/{name}.py")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -407,6 +407,9 @@ TEST_COMMANDS = {
     # the README's by test_the_readme_shows_what_each_proof_prints.
     "tests/test_14_planning.py": (re.compile(r'\bproof\(worker, "(prove_\w+)"\)'),
                                   "python 14_planning/{}.py"),
+    # Lesson 13's proof, its output compared with the README's in the same test.
+    "tests/test_13_capstone.py": (re.compile(r'str\(ROOT / LESSON / "(prove_layouts)\.py"\)\], '
+                                             r'cwd=ROOT'), "python 13_capstone/{}.py"),
 }
 
 
