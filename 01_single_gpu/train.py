@@ -170,7 +170,7 @@ def describe_run(args, device):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 01: train the wine MLP on one device.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")

@@ -315,7 +315,7 @@ def describe_run(args, device, done):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 04: DDP with snapshots and automatic resume (mp.spawn or torchrun).",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")

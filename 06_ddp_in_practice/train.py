@@ -312,7 +312,7 @@ def describe_run(args, device, global_batch, trainer, grad_norms):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 06: DDP in practice: autocast, accumulation, clipping, compile, lr.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")

@@ -2,7 +2,8 @@
 
 Lesson 02's program, with the training state split over the ranks (sharding.py: --strategy
 zero1, fsdp, or ddp as in lesson 02), each rank's bytes printed (memory.py), and a sharded
-checkpoint that any strategy and world size resume (so give each run its own --out-dir).
+checkpoint that a run with any --strategy and world size resumes from (so
+give each run its own --out-dir). torchrun starts it too, as in lesson 04.
 
 Run it:
     python 07_sharding/train.py                                  # FSDP on every GPU, or 2 CPU ranks
@@ -28,7 +29,7 @@ import guard_rails
 from data import load_data
 from memory import memory_baseline, memory_per_rank, memory_rows, print_memory
 from model import WineMLP
-from sharding import build_optimizer, latest_checkpoint, load_sharded, save_sharded, shard_model
+from sharding import build_optimizer, latest_checkpoint, load_sharded, save_sharded, wrap_model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,10 +124,7 @@ def build_model(args, device):
     # Seed before building the model so the initial weights are the same on every run.
     torch.manual_seed(args.seed)
     model = WineMLP(hidden=args.hidden).to(device)
-    if args.strategy == "fsdp":
-        return shard_model(model, device)  # sharding.py
-    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = wrap_model(model, args.strategy, device)  # sharding.py: FSDP2, or DDP as in lesson 02
     return model
 
 
@@ -304,7 +302,7 @@ def describe_run(args, device):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 07: train the wine MLP with DDP, ZeRO-1 or FSDP.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")

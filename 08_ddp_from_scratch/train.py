@@ -297,7 +297,7 @@ def describe_run(args, device):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 08: the wine MLP, its gradients averaged by hand or by DDP.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")

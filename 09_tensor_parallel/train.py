@@ -41,7 +41,7 @@ from tensor_parallel import StepCollectives, print_collectives, show_who_reads_w
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 mesh):
+                 strategy, mesh):
         self.model = model
         self.train_loader = train_loader
         self.test_set = test_set
@@ -51,6 +51,7 @@ class Trainer:
         self.out_dir = out_dir
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
         self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
+        self.strategy = strategy
         self.mesh = mesh
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
         self.adam = getattr(optimizer, "optim", optimizer)
@@ -102,7 +103,7 @@ class Trainer:
         # Every rank: each holds shards that no other has (sharding.py).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
-                      "dp": self.mesh["dp"].size(), "tp": self.mesh["tp"].size()})
+                      "strategy": self.strategy, "world_size": self.world_size})
 
     def train(self, max_epochs):
         losses = self.losses  # after a resume, those of the epochs the checkpoint holds
@@ -156,12 +157,12 @@ def main(rank, args):
 
     model = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    args.strategy = f"--dp {args.dp} --tp {args.tp}"  # the layout, in lesson 07's place for it
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, mesh)
+                      args.out_dir, args.strategy, mesh)
     resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
-        print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
-              f"x --tp {args.tp}, "
+        print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
               f"{len(train_set)} train / {len(test_set)} test wines, batch {args.batch_size} "
               f"per TP group ({args.batch_size * args.dp} in all)", flush=True)
     train_start = time.perf_counter()
@@ -176,7 +177,7 @@ def main(rank, args):
         return  # rank 0 holds every result now; it alone writes them
     save_atomically(weights, os.path.join(args.out_dir, "final.pt"))
     print_collectives(trainer.collectives.counts, args)
-    print_memory(memory, f"--dp {args.dp} --tp {args.tp}, hidden {args.hidden}")
+    print_memory(memory, f"{args.strategy}, {args.world_size} ranks, hidden {args.hidden}")
     results = {"train_loss": losses, "test_correct": correct, "test_total": total,
                "test_accuracy": correct / total, "train_seconds": train_seconds,
                "wall_seconds": time.time() - start, "memory": memory_rows(memory),
@@ -312,8 +313,9 @@ def resume(trainer, args):
         trainer.losses = progress["train_loss"]
         if trainer.is_main_process:
             print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
-                  f"epochs done, written by --dp {progress['dp']} --tp {progress['tp']}, "
-                  f"loaded by --dp {args.dp} --tp {args.tp}", flush=True)
+                  f"epochs done, written by {progress['strategy']} on "
+                  f"{progress['world_size']} ranks, loaded by {args.strategy} on "
+                  f"{args.world_size}", flush=True)
     if trainer.epochs_completed == args.epochs and trainer.is_main_process:
         print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
               "train; raise --epochs to train on, or choose another --out-dir to start afresh",
@@ -325,6 +327,7 @@ def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
         "lesson": "09_tensor_parallel",
+        "strategy": args.strategy,
         "dp": args.dp,
         "tp": args.tp,
         "hidden": args.hidden,
@@ -344,7 +347,7 @@ def describe_run(args, device):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 09: train the wine MLP with tensor parallelism, and FSDP across it.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")

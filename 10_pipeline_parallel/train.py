@@ -4,8 +4,9 @@ Lesson 07's program, with the model cut into stages of whole layers instead of s
 holds one stage (or two) of a pipeline of --stages ranks, and each batch goes through them in
 --microbatches, in the order --schedule gives (pipeline.py: read it first). Each rank's bytes
 printed (memory.py), and a sharded checkpoint that any --stages, --schedule and --dp resume (so
-give each run its own --out-dir). split_backward.py splits a backward by hand, measure_bubble.py
-measures every schedule's idle share.
+give each run its own --out-dir). torchrun starts it too, as in lesson 04.
+split_backward.py splits a backward by hand; measure_bubble.py measures every schedule's idle
+share.
 
 Run it:
     python 10_pipeline_parallel/train.py                        # 1F1B on 2 stages: 2 ranks or GPUs
@@ -349,7 +350,7 @@ def describe_run(args, device):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 10: train the wine MLP as a pipeline of stages, one per rank.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")

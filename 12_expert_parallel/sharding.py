@@ -1,5 +1,6 @@
 """Lesson 07's idea: the training state split across the ranks instead of copied to each
-(shard_model: FSDP2, ZeRO stage 3; build_optimizer: ZeRO stage 1), and saved that way
+(wrap_model, under --strategy fsdp: FSDP2, ZeRO stage 3; build_optimizer, under zero1: ZeRO
+stage 1), and saved that way
 (save_sharded, load_sharded: torch.distributed.checkpoint writes every rank's shards at once,
 and gives each rank the pieces it needs, whatever strategy and world size wrote them)."""
 
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import guard_rails
 
@@ -33,6 +35,14 @@ def shard_model(model, device):
     for layer in (model.fc1, model.fc2):
         fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def wrap_model(model, strategy, device):
+    """The model as --strategy trains it: sharded by FSDP (fsdp), or whole in DDP (ddp, zero1)."""
+    if strategy == "fsdp":
+        return shard_model(model, device)
+    # DDP copies rank 0's weights to every rank; device_ids: this rank's GPU (none on a CPU).
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def build_optimizer(model, strategy, lr):

@@ -51,6 +51,7 @@ class Trainer:
         self.out_dir = out_dir
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
         self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
+        self.strategy = args.strategy = f"--dp {args.dp} --ep {args.ep}"  # the layout, as 07's
         self.mesh = mesh
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
         self.adam = getattr(optimizer, "optim", optimizer)
@@ -116,7 +117,7 @@ class Trainer:
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
                       "expert_load": self.load,
-                      "dp": self.mesh["dp"].size(), "ep": self.mesh["ep"].size()})
+                      "strategy": self.strategy, "world_size": self.world_size})
 
     def train(self, max_epochs):
         losses = self.losses  # after a resume, those of the epochs the checkpoint holds
@@ -189,10 +190,10 @@ def main(rank, args):
                       args.out_dir, mesh, args)
     resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
-        print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
-              f"x --ep {args.ep}, {args.experts} experts ({args.experts // args.ep} per rank), "
-              f"top-{args.top_k}, {len(train_set)} train / {len(val_set)} validation sequences "
-              f"of {args.seq_len} characters, {args.batch_size} per step", flush=True)
+        print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
+              f"{args.experts} experts ({args.experts // args.ep} per rank), top-{args.top_k}, "
+              f"{len(train_set)} train / {len(val_set)} validation sequences of {args.seq_len} "
+              f"characters, {args.batch_size} per step", flush=True)
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
@@ -339,8 +340,9 @@ def resume(trainer, args):
         trainer.load = progress["expert_load"]
         if trainer.is_main_process:
             print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
-                  f"epochs done, written by --dp {progress['dp']} --ep {progress['ep']}, "
-                  f"loaded by --dp {args.dp} --ep {args.ep}", flush=True)
+                  f"epochs done, written by {progress['strategy']} on "
+                  f"{progress['world_size']} ranks, loaded by {args.strategy} on "
+                  f"{args.world_size}", flush=True)
     if trainer.epochs_completed == args.epochs and trainer.is_main_process:
         print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
               "train; raise --epochs to train on, or choose another --out-dir to start afresh",
@@ -352,6 +354,7 @@ def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
         "lesson": "12_expert_parallel",
+        "strategy": args.strategy,
         "dp": args.dp,
         "ep": args.ep,
         "experts": args.experts,
@@ -377,7 +380,7 @@ def describe_run(args, device):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 12: train a tiny mixture-of-experts GPT with expert parallelism.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=30, help="passes over the training set")

@@ -46,7 +46,7 @@ from sharding import latest_checkpoint, load_sharded, save_sharded
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, val_set, optimizer, device, save_every, out_dir,
-                 mesh, schedule, max_norm):
+                 strategy, mesh, schedule, max_norm):
         self.model = model
         self.train_loader = train_loader
         self.val_set = val_set
@@ -56,6 +56,7 @@ class Trainer:
         self.out_dir = out_dir
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
         self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
+        self.strategy = strategy
         self.mesh = mesh
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
         self.adam = getattr(optimizer, "optim", optimizer)
@@ -101,7 +102,7 @@ class Trainer:
         # Every rank: each holds shards that no other has (sharding.py).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
-                      **{name: self.mesh[name].size() for name in ("dp", "pp", "tp")}})
+                      "strategy": self.strategy, "world_size": self.world_size})
 
     def train(self, max_epochs):
         losses = self.losses  # after a resume, those of the epochs the checkpoint holds
@@ -187,14 +188,14 @@ def main(rank, args):
 
     model, schedule = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    args.strategy = f"--dp {args.dp} --pp {args.pp} --tp {args.tp}"  # the layout, as lesson 07's
     trainer = Trainer(model, train_loader, val_set, optimizer, device, args.save_every,
-                      args.out_dir, mesh, schedule, args.max_norm)
+                      args.out_dir, args.strategy, mesh, schedule, args.max_norm)
     resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
-        print(f"training on {args.world_size} x {device.type} ({args.backend}): --dp {args.dp} "
-              f"x --pp {args.pp} x --tp {args.tp}, {len(train_set)} train / {len(val_set)} "
-              f"validation sequences of {args.seq_len} characters, {args.batch_size} per step",
-              flush=True)
+        print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
+              f"{len(train_set)} train / {len(val_set)} validation sequences of {args.seq_len} "
+              f"characters, {args.batch_size} per step", flush=True)
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
@@ -328,9 +329,9 @@ def resume(trainer, args):
         trainer.losses = progress["train_loss"]
         if trainer.is_main_process:
             print(f"resuming from {checkpoint}: {trainer.epochs_completed} of {args.epochs} "
-                  f"epochs done, written by --dp {progress['dp']} --pp {progress['pp']} --tp "
-                  f"{progress['tp']}, loaded by --dp {args.dp} --pp {args.pp} --tp {args.tp}",
-                  flush=True)
+                  f"epochs done, written by {progress['strategy']} on "
+                  f"{progress['world_size']} ranks, loaded by {args.strategy} on "
+                  f"{args.world_size}", flush=True)
     if trainer.epochs_completed == args.epochs and trainer.is_main_process:
         print(f"note: {checkpoint} already holds all {args.epochs} epochs: nothing left to "
               "train; raise --epochs to train on, or choose another --out-dir to start afresh",
@@ -342,6 +343,7 @@ def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
         "lesson": "13_capstone",
+        "strategy": args.strategy,
         "dp": args.dp,
         "pp": args.pp,
         "tp": args.tp,
@@ -367,7 +369,7 @@ def describe_run(args, device):
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
-        description="Lesson 13: train a tiny GPT with FSDP x TP x PP on one device mesh.",
+        description=__doc__.partition("\n")[0],  # the docstring's first line
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--epochs", type=int, default=10, help="passes over the training set")

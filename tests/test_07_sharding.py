@@ -163,8 +163,8 @@ def test_zero1_holds_one_nth_of_the_optimizer_state_by_whole_tensors(lesson_run,
         assert max(row["optimizer_state"] for row in rows) < full["optimizer_state"]
 
 
-# Two training steps of the lesson's shard_model (sharding.py) on 2 gloo ranks (the second
-# forked from the first, so torch is imported once), counting FSDP's all-gathers
+# Two training steps of the lesson's wrap_model (sharding.py) under fsdp on 2 gloo ranks (the
+# second forked from the first, so torch is imported once), counting FSDP's all-gathers
 # (dist.all_gather_single, which FSDP2's DefaultAllGather calls:
 # torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) and noting which layers are whole (a
 # plain tensor in place of a DTensor shard) at each all-gather and as each layer computes.
@@ -182,7 +182,7 @@ import train
 
 def rank_main(rank, store):
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
-    model = train.shard_model(train.WineMLP(), torch.device("cpu"))
+    model = train.wrap_model(train.WineMLP(), "fsdp", torch.device("cpu"))
     events = []
 
     def whole():
@@ -549,7 +549,7 @@ import train
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1,
                         timeout=datetime.timedelta(seconds=7))
 torch.cuda.is_available = lambda: True
-train.shard_model(train.WineMLP(), torch.device("cpu"))
+train.wrap_model(train.WineMLP(), "fsdp", torch.device("cpu"))
 for group in distributed_c10d._world.pg_map:
     print("group timeout:", group._get_backend(torch.device("cpu")).options._timeout)
 """

@@ -142,8 +142,8 @@ def test_torchrun_restarts_and_the_resume_is_bitwise(lesson_run, restarted):
     result, out_dir = restarted
     assert result.returncode == 0, result.stdout + result.stderr
     assert "injected failure on rank 1" in result.stderr
-    assert "1 of 20 epochs done, written by --dp 1 --tp 2, loaded by --dp 1 --tp 2" \
-        in result.stdout
+    assert ("1 of 20 epochs done, written by --dp 1 --tp 2 on 2 ranks, "
+            "loaded by --dp 1 --tp 2 on 2") in result.stdout
     metrics = read_metrics(out_dir)
     assert (metrics["launcher"], metrics["resumed_after_epoch"]) == ("torchrun", 1)
     _, uninterrupted = lesson_run(LESSON, *CPU, *TP)
@@ -159,7 +159,7 @@ def test_the_checkpoint_loads_into_another_tp_and_trains_on(lesson_run, restarte
     shutil.copytree(out_dir / "checkpoint", tmp_path / "checkpoint")
     result = run_lesson(LESSON, *CPU, "--tp", 1, "--epochs", 21, "--out-dir", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "written by --dp 1 --tp 2, loaded by --dp 1 --tp 1" in result.stdout
+    assert "written by --dp 1 --tp 2 on 2 ranks, loaded by --dp 1 --tp 1 on 1" in result.stdout
     _, lesson02 = lesson_run("02_multi_gpu_spawn", *CPU, "--world-size", 1, "--epochs", 21)
     assert max_weight_difference(tmp_path, lesson02) < TOLERANCE
     # A checkpoint of another shape: the check that stops the run in one line, before any rank

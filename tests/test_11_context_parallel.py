@@ -185,13 +185,15 @@ def test_torchrun_restarts_a_crashed_run_which_resumes_bitwise(runs, tmp_path):
                           torchrun_args=["--max-restarts", 1], patch="raise-on-rank-1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "injected failure on rank 1" in result.stderr
-    assert "1 of 3 epochs done, written by --dp 1 --cp 2, loaded by --dp 1 --cp 2" in result.stdout
+    assert ("1 of 3 epochs done, written by --dp 1 --cp 2 on 2 ranks, "
+            "loaded by --dp 1 --cp 2 on 2") in result.stdout
     assert read_metrics(restarted)["launcher"] == "torchrun"
     assert max_weight_difference(straight, restarted) == 0
     other = tmp_path / "from_cp4"
     shutil.copytree(runs("cp4") / "checkpoint", other / "checkpoint")
     result = check_ok(run_lesson(LESSON, *CPU, *three, "--out-dir", other))
-    assert "2 of 3 epochs done, written by --dp 1 --cp 4, loaded by --dp 1 --cp 2" in result.stdout
+    assert ("2 of 3 epochs done, written by --dp 1 --cp 4 on 4 ranks, "
+            "loaded by --dp 1 --cp 2 on 2") in result.stdout
     assert read_metrics(other)["resumed_after_epoch"] == 2
     assert max_weight_difference(straight, other) < TOLERANCE
 

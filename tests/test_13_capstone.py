@@ -224,8 +224,8 @@ def test_a_rank_killed_by_sigkill_stops_the_run_in_one_line_and_it_resumes_bitwi
     result = run_lesson(LESSON, *flags, patch="kill-rank-1")
     assert_one_line_error(result, "rank 1 was killed (SIGKILL)", "Run it again to resume")
     result = check_ok(run_lesson(LESSON, *flags))
-    assert ("1 of 2 epochs done, written by --dp 2 --pp 2 --tp 2, loaded by --dp 2 --pp 2 "
-            "--tp 2") in result.stdout
+    assert ("1 of 2 epochs done, written by --dp 2 --pp 2 --tp 2 on 8 ranks, loaded by --dp 2 "
+            "--pp 2 --tp 2 on 8") in result.stdout
     assert read_metrics(tmp_path)["resumed_after_epoch"] == 1
     assert max_weight_difference(tmp_path, runs("3d")) == 0
 
@@ -241,9 +241,9 @@ def test_the_3d_checkpoint_loads_into_one_process_and_another_layout(
     resumed = tmp_path / "resumed"
     shutil.copytree(runs("3d") / "checkpoint", resumed / "checkpoint")
     result = check_ok(run_lesson(LESSON, *layout, *three, "--out-dir", resumed))
-    loaded_by = " ".join(layout)
-    assert f"2 of 3 epochs done, written by --dp 2 --pp 2 --tp 2, loaded by {loaded_by}" in (
-        result.stdout)
+    loaded_by = f"{' '.join(layout)} on {int(layout[1]) * int(layout[3]) * int(layout[5])}"
+    assert (f"2 of 3 epochs done, written by --dp 2 --pp 2 --tp 2 on 8 ranks, "
+            f"loaded by {loaded_by}") in result.stdout
     assert read_metrics(resumed)["resumed_after_epoch"] == 2
     assert max_weight_difference(resumed, one_process_three_epochs) < TOLERANCE
 

@@ -58,6 +58,27 @@ def modules_of(root, lesson):
                   if (folder / f"{name}.py").is_file())
 
 
+def unified_diff(old, new, old_name, new_name, context=3):
+    """difflib.unified_diff's text, from a SequenceMatcher with autojunk off. With it on (the
+    only way unified_diff runs), a file of 200 lines or more has its frequent lines (blank ones)
+    taken as junk, which no match may start from, so the diff deletes and adds them again."""
+    def span(start, stop):  # as a unified diff's header numbers lines: from 1, "start,length"
+        return f"{start + 1}" if stop - start == 1 else f"{start + (stop > start)},{stop - start}"
+    groups = difflib.SequenceMatcher(None, old, new, autojunk=False).get_grouped_opcodes(context)
+    lines = []
+    for group in groups:
+        if not lines:
+            lines += [f"--- {old_name}\n", f"+++ {new_name}\n"]
+        (_, i1, _, j1, _), (_, _, i2, _, j2) = group[0], group[-1]
+        lines.append(f"@@ -{span(i1, i2)} +{span(j1, j2)} @@\n")
+        for tag, i1, i2, j1, j2 in group:
+            if tag == "equal":
+                lines += [" " + line for line in old[i1:i2]]
+            else:
+                lines += ["-" + line for line in old[i1:i2]] + ["+" + line for line in new[j1:j2]]
+    return "".join(lines)
+
+
 def lesson_diff(root, previous, lesson):
     """Each module train.py imports (a new one whole), then train.py's diff from the base's."""
     diffs = []
@@ -67,7 +88,7 @@ def lesson_diff(root, previous, lesson):
         old = before.read_text().splitlines(keepends=True) if before.is_file() else []
         new = (root / lesson / name).read_text().splitlines(keepends=True)
         old_name = f"{previous}/{before.name}" if before.is_file() else "/dev/null"
-        diffs.append("".join(difflib.unified_diff(old, new, old_name, f"{lesson}/{name}")))
+        diffs.append(unified_diff(old, new, old_name, f"{lesson}/{name}"))
     return "".join(diffs)
 
 
