@@ -154,10 +154,13 @@ def save_atomically(obj, path):
         os.replace(tmp_path, path)
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "01_single_gpu",
+        "lesson": LESSON,
         "world_size": 1,
         "backend": None,
         "device": device.type,
@@ -179,7 +182,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write checkpoint.pt every N epochs")
-    parser.add_argument("--out-dir", default="runs/01_single_gpu",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint.pt, final.pt and metrics.json")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     return guard_rails.check_args(parser.parse_args(argv))

@@ -273,10 +273,13 @@ def save_atomically(obj, path):
         os.replace(tmp_path, path)
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device, ranks):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "03_multi_node",
+        "lesson": LESSON,
         "world_size": args.world_size,
         "nnodes": args.nnodes,
         "nproc_per_node": args.nproc_per_node,
@@ -303,7 +306,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write checkpoint.pt every N epochs")
-    parser.add_argument("--out-dir", default="runs/03_multi_node",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint.pt, final.pt and metrics.json")
     parser.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--node-rank", type=int, default=0,

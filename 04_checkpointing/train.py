@@ -296,10 +296,13 @@ def save_atomically(obj, path):
         os.replace(tmp_path, path)
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device, done):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "04_checkpointing",
+        "lesson": LESSON,
         "world_size": args.world_size,
         "launcher": "torchrun" if guard_rails.started_by_torchrun() else "spawn",
         "resumed_after_epoch": done,
@@ -324,7 +327,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write snapshot.pt every N epochs, and after the last")
-    parser.add_argument("--out-dir", default="runs/04_checkpointing",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for snapshot.pt, final.pt and metrics.json; a snapshot "
                              "already there is resumed")
     parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,

@@ -264,10 +264,13 @@ def save_atomically(obj, path):
         os.replace(tmp_path, path)
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "05_model_parallel_ddp",
+        "lesson": LESSON,
         "world_size": args.world_size,
         "backend": args.backend,
         "device": device.type,
@@ -291,7 +294,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write checkpoint.pt every N epochs")
-    parser.add_argument("--out-dir", default="runs/05_model_parallel_ddp",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint.pt, final.pt and metrics.json")
     parser.add_argument("--world-size", type=int,
                         help="number of processes (unset: GPUs / 2, at least 1; 2 on the CPU)")

@@ -289,10 +289,13 @@ def save_atomically(obj, path):
         os.replace(tmp_path, path)
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device, global_batch, trainer, grad_norms):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "06_ddp_in_practice",
+        "lesson": LESSON,
         "world_size": args.world_size,
         "backend": args.backend,
         "device": device.type,
@@ -321,7 +324,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write checkpoint.pt every N epochs")
-    parser.add_argument("--out-dir", default="runs/06_ddp_in_practice",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint.pt, final.pt and metrics.json")
     parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
                         help="number of processes (default: one per GPU, or 2 on the CPU)")

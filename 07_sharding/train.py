@@ -37,7 +37,7 @@ from sharding import build_optimizer, latest_checkpoint, load_sharded, save_shar
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 strategy):
+                 args):
         self.model = model
         self.train_loader = train_loader
         self.test_set = test_set
@@ -47,7 +47,7 @@ class Trainer:
         self.out_dir = out_dir
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
         self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
-        self.strategy = strategy
+        self.strategy = args.strategy  # the layout: the checkpoint records it, resume shows it
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
         self.adam = getattr(optimizer, "optim", optimizer)
         # Where training stands: what a checkpoint saves and a resume restores.
@@ -93,7 +93,7 @@ class Trainer:
         return int(counts[0]), int(counts[1])
 
     def save_checkpoint(self, epoch):
-        # Every rank: each holds shards that no other has (sharding.py).
+        # Every rank writes what it holds, each tensor once (one held on several: by one of them).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
                       "strategy": self.strategy, "world_size": self.world_size})
@@ -141,7 +141,7 @@ def main(rank, args):
     model = build_model(args, device)
     optimizer = build_optimizer(model, args.strategy, args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, args.strategy)
+                      args.out_dir, args)
     resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
@@ -281,10 +281,13 @@ def resume(trainer, args):
     return trainer.epochs_completed
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "07_sharding",
+        "lesson": LESSON,
         "strategy": args.strategy,
         "hidden": args.hidden,
         "world_size": args.world_size,
@@ -311,7 +314,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write a checkpoint every N epochs")
-    parser.add_argument("--out-dir", default="runs/07_sharding",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint/, final.pt and metrics.json")
     parser.add_argument("--world-size", type=int, default=torch.cuda.device_count() or 2,
                         help="number of processes (default: one per GPU, or 2 on the CPU)")

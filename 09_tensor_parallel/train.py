@@ -41,7 +41,7 @@ from tensor_parallel import StepCollectives, print_collectives, show_who_reads_w
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, test_set, optimizer, device, save_every, out_dir,
-                 strategy, mesh):
+                 mesh, args):
         self.model = model
         self.train_loader = train_loader
         self.test_set = test_set
@@ -51,7 +51,7 @@ class Trainer:
         self.out_dir = out_dir
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
         self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
-        self.strategy = strategy
+        self.strategy = args.strategy = f"--dp {args.dp} --tp {args.tp}"  # the layout, as 07's
         self.mesh = mesh
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
         self.adam = getattr(optimizer, "optim", optimizer)
@@ -100,7 +100,7 @@ class Trainer:
         return int(counts[0]), int(counts[1])
 
     def save_checkpoint(self, epoch):
-        # Every rank: each holds shards that no other has (sharding.py).
+        # Every rank writes what it holds, each tensor once (one held on several: by one of them).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
                       "strategy": self.strategy, "world_size": self.world_size})
@@ -157,9 +157,8 @@ def main(rank, args):
 
     model = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    args.strategy = f"--dp {args.dp} --tp {args.tp}"  # the layout, in lesson 07's place for it
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
-                      args.out_dir, args.strategy, mesh)
+                      args.out_dir, mesh, args)
     resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
@@ -323,10 +322,13 @@ def resume(trainer, args):
     return trainer.epochs_completed
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "09_tensor_parallel",
+        "lesson": LESSON,
         "strategy": args.strategy,
         "dp": args.dp,
         "tp": args.tp,
@@ -356,7 +358,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write a checkpoint every N epochs")
-    parser.add_argument("--out-dir", default="runs/09_tensor_parallel",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint/, final.pt and metrics.json")
     parser.add_argument("--tp", type=int, default=2, help="ranks that split each layer: a TP group")
     parser.add_argument("--dp", type=int,

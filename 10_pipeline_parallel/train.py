@@ -129,7 +129,7 @@ class Trainer:
         return int(counts[0]), int(counts[1])
 
     def save_checkpoint(self, epoch):
-        # Every rank: each holds shards that no other has (sharding.py).
+        # Every rank writes what it holds, each tensor once (one held on several: by one of them).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
                       "strategy": self.strategy, "world_size": self.world_size})
@@ -324,10 +324,13 @@ def resume(trainer, args):
     return trainer.epochs_completed
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "10_pipeline_parallel",
+        "lesson": LESSON,
         "strategy": args.strategy,
         "dp": args.dp,
         "stages": args.stages,
@@ -359,7 +362,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write a checkpoint every N epochs")
-    parser.add_argument("--out-dir", default="runs/10_pipeline_parallel",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint/, final.pt and metrics.json")
     parser.add_argument("--schedule", default="1f1b", choices=["afab", *SCHEDULES],
                         help="afab: this lesson's own, by hand; the others: torch's")

@@ -4,7 +4,7 @@ Lesson 09's program, with a tiny GPT (model.py) that learns to finish sums ("3+4
 in place of the wine MLP, and --cp ranks that split every sequence: each holds two of its chunks,
 and attention passes the keys and values around the ring of them (ring_attention.py, read it
 first). --dp such CP groups read different sequences; every layout takes one process's steps.
-Every rank saves in --out-dir, and a run resumes from it with any --dp and --cp (so
+Every rank saves in --out-dir, and a run resumes from it in any other layout (so
 give each run its own --out-dir). torchrun starts it too, as in lesson 04.
 
 Run it:
@@ -40,7 +40,7 @@ from sharding import latest_checkpoint, load_sharded, save_sharded
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, val_set, optimizer, device, save_every, out_dir,
-                 strategy, mesh):
+                 mesh, args):
         self.model = model
         self.train_loader = train_loader
         self.val_set = val_set
@@ -50,7 +50,7 @@ class Trainer:
         self.out_dir = out_dir
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
         self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
-        self.strategy = strategy
+        self.strategy = args.strategy = f"--dp {args.dp} --cp {args.cp}"  # the layout, as 07's
         self.mesh = mesh
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
         self.adam = getattr(optimizer, "optim", optimizer)
@@ -71,7 +71,7 @@ class Trainer:
         # as many): summed over the ranks, their gradients are the whole batch's mean's.
         loss = loss_sum(self.model, inputs, targets, positions)  # model.py
         (loss / (targets.numel() * self.world_size)).backward()  # the ring's backward too
-        sum_gradients(self.model)  # every rank holds every weight: add up the ranks' shares
+        sum_gradients(self.model.parameters(), None)  # every weight on every rank: add them up
         self.optimizer.step()
         return loss.detach()
 
@@ -99,7 +99,7 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     def save_checkpoint(self, epoch):
-        # Every rank: each holds shards that no other has (sharding.py).
+        # Every rank writes what it holds, each tensor once (one held on several: by one of them).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
                       "strategy": self.strategy, "world_size": self.world_size})
@@ -127,15 +127,6 @@ def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
 
 
-def loader_per_cp_group(train_set, mesh, args):
-    """The sampler deals sequences to the CP groups (by dp rank), not to the ranks: a CP group's
-    ranks each keep their own tokens of the same sequences, so they must read the same ones."""
-    dp_rank = mesh["dp"].get_local_rank()
-    train_loader = prepare_dataloader(train_set, args.batch_size // args.dp, args.seed, dp_rank,
-                                      args.dp)  # --batch-size: the global batch, in all groups
-    return train_loader
-
-
 def build_model(args, device, mesh):
     """The tiny GPT, on this rank's device, whole on every rank, its attention by the ring."""
     # Seed before building the model so the initial weights are the same on every run.
@@ -145,12 +136,12 @@ def build_model(args, device, mesh):
     return model
 
 
-def sum_gradients(model):
+def sum_gradients(params, group):
     """Sum every rank's gradients, in place, in one all-reduce of all of them: one message, not
-    one per tensor (each a round trip; per tensor, --cp 4 on 2 cores spends most of a step here)."""
-    grads = [param.grad for param in model.parameters()]
+    one per tensor (each a round trip); of params only, over group's ranks (None: all ranks)."""
+    grads = [param.grad for param in params]
     flat = torch.cat([grad.flatten() for grad in grads])
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
         grad.copy_(summed.view_as(grad))
 
@@ -165,13 +156,14 @@ def main(rank, args):
         torch.set_default_dtype(torch.float64)
     mesh = build_mesh(device, args.timeout, dp=args.dp, cp=args.cp)  # row d: CP group d
     train_set, val_set = load_data(args.seq_len)
-    train_loader = loader_per_cp_group(train_set, mesh, args)
+    # --batch-size (the global batch) dealt by dp rank: a CP group's ranks read the same sequences.
+    train_loader = prepare_dataloader(train_set, args.batch_size // args.dp, args.seed,
+                                      mesh["dp"].get_local_rank(), args.dp)
 
     model = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    args.strategy = f"--dp {args.dp} --cp {args.cp}"  # the layout, in lesson 07's place for it
     trainer = Trainer(model, train_loader, val_set, optimizer, device, args.save_every,
-                      args.out_dir, args.strategy, mesh)
+                      args.out_dir, mesh, args)
     resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
@@ -330,10 +322,13 @@ def resume(trainer, args):
     return trainer.epochs_completed
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "11_context_parallel",
+        "lesson": LESSON,
         "strategy": args.strategy,
         "dp": args.dp,
         "cp": args.cp,
@@ -365,7 +360,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write a checkpoint every N epochs")
-    parser.add_argument("--out-dir", default="runs/11_context_parallel",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint/, final.pt and metrics.json")
     parser.add_argument("--cp", type=int, default=2, help="ranks that split a sequence: a CP group")
     parser.add_argument("--dp", type=int,

@@ -5,7 +5,7 @@ router that sends each token to --top-k of them (model.py); --ep ranks share the
 and each step every rank sends each of its tokens to its experts' ranks and gets the results
 back, by all-to-all (experts.py, read it first). Every rank reads its own sequences; --dp such
 EP groups hold copies of the experts. Every layout takes one process's steps.
-Every rank saves in --out-dir, and a run resumes from it with any --dp and --ep (so
+Every rank saves in --out-dir, and a run resumes from it in any other layout (so
 give each run its own --out-dir). torchrun starts it too, as in lesson 04.
 
 Run it:
@@ -113,7 +113,7 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     def save_checkpoint(self, epoch):
-        # Every rank: each holds experts that no other of its EP group has (sharding.py).
+        # Every rank writes what it holds, each tensor once (one held on several: by one of them).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
                       "expert_load": self.load,
@@ -350,10 +350,13 @@ def resume(trainer, args):
     return trainer.epochs_completed
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "12_expert_parallel",
+        "lesson": LESSON,
         "strategy": args.strategy,
         "dp": args.dp,
         "ep": args.ep,
@@ -389,7 +392,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=10,
                         help="write a checkpoint every N epochs")
-    parser.add_argument("--out-dir", default="runs/12_expert_parallel",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint/, final.pt and metrics.json")
     parser.add_argument("--ep", type=int, default=2,
                         help="ranks that share the experts out (an EP group)")

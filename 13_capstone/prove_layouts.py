@@ -135,8 +135,7 @@ def run_layout(mesh, batches, seq_len, kind):
         schedule = parallelize(model, mesh, torch.device("cpu"), args)
         optimizer = torch.optim.Adam(model.parameters(), lr=LR)
         trainer = Trainer(model, None, None, optimizer, torch.device("cpu"), args.save_every,
-                          args.out_dir, f"--dp {dp} --pp {pp} --tp {tp}", mesh, schedule,
-                          args.max_norm)
+                          args.out_dir, mesh, schedule, args)
         fsdp_calls = watch_fsdp(model)
         dp_rank = mesh["dp"].get_local_rank()
         for inputs, targets in batches:  # this dp rank's sequences: every dp-th one

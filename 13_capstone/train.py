@@ -46,7 +46,7 @@ from sharding import latest_checkpoint, load_sharded, save_sharded
 # ---------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, model, train_loader, val_set, optimizer, device, save_every, out_dir,
-                 strategy, mesh, schedule, max_norm):
+                 mesh, schedule, args):
         self.model = model
         self.train_loader = train_loader
         self.val_set = val_set
@@ -56,11 +56,11 @@ class Trainer:
         self.out_dir = out_dir
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # from the group
         self.is_main_process = self.rank == 0  # gates printing and writing: one copy, not N
-        self.strategy = strategy
+        self.strategy = args.strategy = f"--dp {args.dp} --pp {args.pp} --tp {args.tp}"  # as 07's
         self.mesh = mesh
         # The Adam that holds this rank's state: ZeroRedundancyOptimizer keeps its share in .optim.
         self.adam = getattr(optimizer, "optim", optimizer)
-        self.schedule, self.max_norm = schedule, max_norm  # the pipeline's, and the clip's
+        self.schedule, self.max_norm = schedule, args.max_norm  # the pipeline's, and the clip's
         self.first, self.last = model.tokens is not None, model.head is not None  # the stage's ends
         # The last stage's ranks know the loss; one per TP group counts it, once.
         self.counts_loss = self.last and mesh["tp"].get_local_rank() == 0
@@ -99,7 +99,7 @@ class Trainer:
         return validation_loss(model, *(t.to(self.device) for t in self.val_set.tensors))
 
     def save_checkpoint(self, epoch):
-        # Every rank: each holds shards that no other has (sharding.py).
+        # Every rank writes what it holds, each tensor once (one held on several: by one of them).
         save_sharded(self.checkpoint_dir, self.model, self.adam,
                      {"epochs_completed": epoch + 1, "train_loss": self.losses,
                       "strategy": self.strategy, "world_size": self.world_size})
@@ -188,9 +188,8 @@ def main(rank, args):
 
     model, schedule = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    args.strategy = f"--dp {args.dp} --pp {args.pp} --tp {args.tp}"  # the layout, as lesson 07's
     trainer = Trainer(model, train_loader, val_set, optimizer, device, args.save_every,
-                      args.out_dir, args.strategy, mesh, schedule, args.max_norm)
+                      args.out_dir, mesh, schedule, args)
     resumed_after_epoch = resume(trainer, args)  # 0: this run started from scratch
     if trainer.is_main_process:
         print(f"training on {args.world_size} x {device.type} ({args.backend}, {args.strategy}): "
@@ -339,10 +338,13 @@ def resume(trainer, args):
     return trainer.epochs_completed
 
 
+LESSON = os.path.basename(os.path.dirname(os.path.abspath(__file__)))  # this folder's name
+
+
 def describe_run(args, device):
     """What metrics.json records of the run beside its results: the lesson and its settings."""
     return {
-        "lesson": "13_capstone",
+        "lesson": LESSON,
         "strategy": args.strategy,
         "dp": args.dp,
         "pp": args.pp,
@@ -380,7 +382,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and shuffling")
     parser.add_argument("--save-every", type=int, default=5,
                         help="write a checkpoint every N epochs")
-    parser.add_argument("--out-dir", default="runs/13_capstone",
+    parser.add_argument("--out-dir", default=f"runs/{LESSON}",
                         help="folder for checkpoint/, final.pt and metrics.json")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages, each its blocks")
     parser.add_argument("--tp", type=int, default=2,

@@ -192,8 +192,7 @@ def build_layout(layout, mesh, batch):
     schedule = parallelize(model, mesh, torch.device("cpu"), args)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     trainer = Trainer(model, None, None, optimizer, torch.device("cpu"), args.save_every,
-                      args.out_dir, f"--dp {dp} --pp {pp} --tp {tp}", mesh, schedule,
-                      args.max_norm)
+                      args.out_dir, mesh, schedule, args)
     mine = [t[mesh["dp"].get_local_rank()::dp] for t in batch]  # this dp rank's sequences
     return model, optimizer, lambda: trainer.train_step(*mine)
 

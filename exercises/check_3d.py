@@ -169,7 +169,7 @@ def run_layout(train, mesh, shape, batches):
     schedule = train.parallelize(model, mesh, device, args)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     trainer = train.Trainer(model, None, None, optimizer, device, args.save_every, args.out_dir,
-                            f"--dp {dp} --pp {pp} --tp {tp}", mesh, schedule, args.max_norm)
+                            mesh, schedule, args)
     found = {"stage": mesh["pp"].get_local_rank(),
              "names": sorted(name for name, _ in model.named_parameters())}
     step, before = schedule.step, []

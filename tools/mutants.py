@@ -588,7 +588,7 @@ MUTANTS = [
     Mutant(
         id="11-gradients-not-summed",
         file="11_context_parallel/train.py",
-        find="    dist.all_reduce(flat)",
+        find="    dist.all_reduce(flat, group=group)",
         replace="    pass",
         claim="Every layout takes one process's steps: each rank's share of the gradient summed.",
         readme="11_context_parallel/README.md#equal-to-one-process",
