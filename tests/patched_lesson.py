@@ -220,9 +220,13 @@ elif patch == "loss-not-divided":
     # micro-batches; multiplying by K undoes that.
     lesson.F = LossTimes(accumulate_from_argv())
 elif patch == "no-gradient-sync":
-    lesson.DDP = DDPWithoutAllReduce
-    if "sharding" in sys.modules:  # lesson 07's wrap_model builds its DDP there
-        sys.modules["sharding"].DDP = DDPWithoutAllReduce
+    # Every module of the lesson's folder that builds a DDP: train.py, or 07's sharding.py.
+    folder = os.path.dirname(os.path.abspath(script))
+    for module in list(sys.modules.values()):
+        where = getattr(module, "__file__", None) or ""
+        if getattr(module, "DDP", None) is DistributedDataParallel and (
+                os.path.dirname(os.path.abspath(where)) == folder):
+            module.DDP = DDPWithoutAllReduce
     dist.reduce_scatter_single = reduce_scatter_without_sum
 else:
     sys.exit(f"error: unknown patch {patch!r}")

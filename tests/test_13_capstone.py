@@ -21,6 +21,7 @@ what is proven does not depend on it."""
 import contextlib
 import datetime
 import importlib
+import math
 import shutil
 import subprocess
 import sys
@@ -241,7 +242,7 @@ def test_the_3d_checkpoint_loads_into_one_process_and_another_layout(
     resumed = tmp_path / "resumed"
     shutil.copytree(runs("3d") / "checkpoint", resumed / "checkpoint")
     result = check_ok(run_lesson(LESSON, *layout, *three, "--out-dir", resumed))
-    loaded_by = f"{' '.join(layout)} on {int(layout[1]) * int(layout[3]) * int(layout[5])}"
+    loaded_by = f"{' '.join(layout)} on {math.prod(map(int, layout[1::2]))}"
     assert (f"2 of 3 epochs done, written by --dp 2 --pp 2 --tp 2 on 8 ranks, "
             f"loaded by {loaded_by}") in result.stdout
     assert read_metrics(resumed)["resumed_after_epoch"] == 2
