@@ -207,7 +207,9 @@ LESSONS = {"02": "02_multi_gpu_spawn", "03": "03_multi_node", "04": "04_checkpoi
            "11": "11_context_parallel", "12": "12_expert_parallel"}
 
 
-@pytest.fixture(scope="module")
+# Session-wide, not per module: a worker that runs another file's test (a notebook's) between two
+# of this file's tears a module's fixtures down, and they were made again (CI's exercise 13: 97 s).
+@pytest.fixture(scope="session")
 def lesson_runs(tmp_path_factory):
     """The lessons' reference runs, made once by the first check of each exercise."""
     return tmp_path_factory.mktemp("lesson_runs")
@@ -444,7 +446,7 @@ MORE_3D = [  # mistakes break_3d.py does not make, each an error the checker rea
 CASES_3D = [*BREAK_3D.MISTAKES, *MORE_3D]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # as lesson_runs, made once
 def verdicts_13(tmp_path_factory):
     """{copy: the lines of its verdict}: the lesson's copy, and one per case, checked at once."""
     folder = tmp_path_factory.mktemp("exercise_13")
