@@ -1,5 +1,5 @@
 """Lesson 09's idea: tensor parallelism, each layer itself split across the ranks of a TP group,
-and FSDP across the groups: 2-D, on train.py's dp x tp device mesh.
+and FSDP across the groups: 2-D, on mesh.py's dp x tp device mesh.
 
 tensor_parallel_plan says how each linear layer is split (column-wise, then row-wise, pair after
 pair: Megatron-LM's layout); split_model applies that plan over "tp" with parallelize_module,

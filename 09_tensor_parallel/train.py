@@ -16,7 +16,6 @@ Run it:
 import argparse
 import datetime
 import json
-import math
 import os
 import time
 
@@ -24,13 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import guard_rails
 from data import load_data
 from memory import memory_baseline, memory_per_rank, memory_rows, print_memory
+from mesh import build_mesh
 from model import WineMLP
 from sharding import latest_checkpoint, load_sharded, save_sharded
 from tensor_parallel import StepCollectives, print_collectives, show_who_reads_what, split_model
@@ -126,15 +125,6 @@ def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
-def loader_per_tp_group(train_set, mesh, rank, args):
-    """The sampler deals batches to the TP groups (by dp rank), not to the ranks: a TP group's
-    ranks each compute a slice of the same samples, so they must read the same ones."""
-    dp_rank = mesh["dp"].get_local_rank()
-    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)
-    show_who_reads_what(rank, mesh, train_loader)  # tensor_parallel.py
-    return train_loader
-
-
 def build_model(args, device, mesh):
     """The wine MLP, on this rank's device, split by TP over "tp" and sharded by FSDP over "dp"."""
     # Seed before building the model so the initial weights are the same on every run.
@@ -153,8 +143,9 @@ def main(rank, args):
     baseline = memory_baseline(device)  # before the model, so the peak covers all of training
     mesh = build_mesh(device, args.timeout, dp=args.dp, tp=args.tp)  # row d: TP group d
     train_set, test_set = load_data()
-    train_loader = loader_per_tp_group(train_set, mesh, rank, args)
-
+    train_loader = prepare_dataloader(train_set, args.batch_size, args.seed,
+                                      mesh["dp"].get_local_rank(), args.dp)  # by TP group
+    show_who_reads_what(rank, mesh, train_loader)  # a TP group's ranks read the same wines
     model = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, test_set, optimizer, device, args.save_every,
@@ -221,24 +212,6 @@ def setup_process_group(rank, world_size, backend, timeout):
                             timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
-
-
-def build_mesh(device, timeout, **sizes):
-    """The ranks as a grid, one named dimension per size: build_mesh(device, timeout, dp=2, tp=2)
-    is torch.arange(4).view(2, 2), row d TP group d, column t a dp group ([0, 2] and [1, 3]). A
-    rank beyond the grid (the benchmark runs smaller meshes in a larger launch) gets None."""
-    ranks = torch.arange(math.prod(sizes.values())).view(*sizes.values())
-    groups = []
-    # Every rank makes every group, in the same order, and keeps its own. Not init_device_mesh,
-    # which passes no timeout: its groups wait torch's default (gloo 30 minutes, NCCL 10).
-    for dim in range(ranks.dim()):
-        for line in ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)):  # the groups along dim
-            group = dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))
-            if dist.get_rank() in line:
-                groups.append(group)
-    if not groups:
-        return None
-    return DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=tuple(sizes))
 
 
 def worker(local_rank, main, args):

@@ -17,19 +17,18 @@ Run it:
 import argparse
 import datetime
 import json
-import math
 import os
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import guard_rails
 from data import load_data
+from mesh import build_mesh
 from model import TinyGPT, complete, loss_sum
 from ring_attention import local_part
 from sharding import latest_checkpoint, load_sharded, save_sharded
@@ -222,24 +221,6 @@ def setup_process_group(rank, world_size, backend, timeout):
                             timeout=datetime.timedelta(seconds=timeout),
                             device_id=device if backend == "nccl" else None)
     return device
-
-
-def build_mesh(device, timeout, **sizes):
-    """The ranks as a grid, one named dimension per size: build_mesh(device, timeout, dp=2, tp=2)
-    is torch.arange(4).view(2, 2), row d TP group d, column t a dp group ([0, 2] and [1, 3]). A
-    rank beyond the grid (the benchmark runs smaller meshes in a larger launch) gets None."""
-    ranks = torch.arange(math.prod(sizes.values())).view(*sizes.values())
-    groups = []
-    # Every rank makes every group, in the same order, and keeps its own. Not init_device_mesh,
-    # which passes no timeout: its groups wait torch's default (gloo 30 minutes, NCCL 10).
-    for dim in range(ranks.dim()):
-        for line in ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)):  # the groups along dim
-            group = dist.new_group(line.tolist(), timeout=datetime.timedelta(seconds=timeout))
-            if dist.get_rank() in line:
-                groups.append(group)
-    if not groups:
-        return None
-    return DeviceMesh.from_group(groups, device.type, mesh=ranks, mesh_dim_names=tuple(sizes))
 
 
 def worker(local_rank, main, args):

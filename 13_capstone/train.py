@@ -5,9 +5,10 @@ each a dimension of one (pp, dp, tp) mesh of ranks (parallelize.py, read it firs
 each keep their share of the blocks (lesson 10), --tp ranks split each stage's weights by heads
 and by hidden units, with the sequence split over them between (lesson 09), and --dp copies of
 that pipeline read different sequences, their weights sharded by FSDP (lesson 07). The default,
---dp 2 --pp 2 --tp 2, is 8 ranks: a small cluster's layout, on a laptop. Every layout takes one
-process's steps; the checkpoint loads into any layout, and into one process (so give each
-run its own --out-dir, or it resumes the finished checkpoint of the one before).
+--dp 2 --pp 2 --tp 2, is 8 ranks: a small cluster's layout, on a laptop. Every layout takes
+one process's steps.
+Every rank saves in --out-dir, and a run resumes from it in any other layout (so
+give each run its own --out-dir). torchrun starts it too, as in lesson 04.
 
 Run it:
     python 13_capstone/train.py                                            # 8 ranks: 2 x 2 x 2
@@ -179,13 +180,13 @@ def bytes_held(model, optimizer):
 # main
 # ---------------------------------------------------------------------------------------------
 def main(rank, args):
+    start = args.start_time  # set by launch, before the ranks were started
     device = setup_process_group(rank, args.world_size, args.backend, args.timeout)
     if args.float64:  # the proofs: float32 rounds each layout's sums apart, Adam amplifies it
         torch.set_default_dtype(torch.float64)
     mesh = build_mesh(device.type, args.dp, args.pp, args.tp, args.timeout)  # parallelize.py
     train_set, val_set = load_data(args.seq_len)
     train_loader = loader_per_pipeline(train_set, mesh, args)
-
     model, schedule = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, val_set, optimizer, device, args.save_every,
@@ -209,9 +210,10 @@ def main(rank, args):
     samples = {p: complete(model, p, args.seq_len, device) for p in ("3+4=", "8+9=", "0+6=")}
     steps = (args.epochs - resumed_after_epoch) * len(train_loader)
     results = {"train_loss": losses, "val_loss": val_loss, "samples": samples,
-               "bytes_per_rank": every, "wall_seconds": time.time() - args.start_time,
+               "bytes_per_rank": every,
                "tokens_per_second": steps * args.batch_size * args.seq_len / train_seconds,
-               "train_seconds": train_seconds, "resumed_after_epoch": resumed_after_epoch}
+               "train_seconds": train_seconds, "wall_seconds": time.time() - start,
+               "resumed_after_epoch": resumed_after_epoch}
     save_atomically(describe_run(args, device) | results,
                     os.path.join(args.out_dir, "metrics.json"))
     print("samples: " + " | ".join(f"{p}{s}" for p, s in samples.items()), flush=True)

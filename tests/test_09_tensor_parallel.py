@@ -279,13 +279,13 @@ def test_nodes_that_chose_different_backends_stop_in_one_line():
 
 # Three gloo ranks forked from one process build a 1 x 2 mesh: ranks 0 and 1 are its TP group,
 # rank 2 makes every group too (new_group's rule) and gets None, as the benchmark's ranks beyond
-# a smaller case's mesh do (benchmarks/bench/ranks.py calls build_mesh, in train.py's plumbing).
+# a smaller case's mesh do (benchmarks/bench/ranks.py calls build_mesh, mesh.py's).
 BEYOND_THE_MESH = """
 import datetime, multiprocessing, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from train import build_mesh
+from mesh import build_mesh
 
 
 def rank(r, port):

@@ -1,9 +1,11 @@
 """Guards for the repository as a whole: current diffs, lint, and lessons that stand alone."""
 
 import ast
+import difflib
 import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -30,6 +32,20 @@ def make_diffs(*args):
 def test_generated_diffs_are_current():
     result = make_diffs("--check")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_diff_tool_writes_difflibs_text_where_autojunk_cannot_apply():
+    # make_diffs formats its own unified diff, to turn autojunk off. Below 200 lines autojunk
+    # does nothing, so there its text must be difflib.unified_diff's, byte for byte.
+    spec = importlib.util.spec_from_file_location("make_diffs", ROOT / "tools" / "make_diffs.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    rng = random.Random(0)
+    for _ in range(300):
+        old, new = ([rng.choice(["a\n", "b\n", "c\n", "\n"]) for _ in range(rng.randrange(40))]
+                    for _ in range(2))
+        assert tool.unified_diff(old, new, "old", "new") == "".join(
+            difflib.unified_diff(old, new, "old", "new")), (old, new)
 
 
 def test_diff_check_fails_when_a_lesson_changes_alone(tmp_path):
@@ -246,7 +262,8 @@ SHARED_COPIES = {
 
 # A lesson's module that a later lesson uses as it is: a copy, byte for byte (STYLE.md point 17).
 SHARED_MODULES = {"memory.py": ("07", "09", "10"),
-                  "sharding.py": ("07", "09", "10", "11", "12", "13")}
+                  "sharding.py": ("07", "09", "10", "11", "12", "13"),
+                  "mesh.py": ("09", "11", "12")}
 
 
 def test_a_module_a_later_lesson_reuses_is_the_same_file_in_both():

@@ -432,8 +432,8 @@ MUTANTS = [
     Mutant(
         id="09-tp-ranks-read-apart",
         file="09_tensor_parallel/train.py",
-        find="prepare_dataloader(train_set, args.batch_size, args.seed, dp_rank, args.dp)",
-        replace="prepare_dataloader(train_set, args.batch_size, args.seed, rank, args.world_size)",
+        find='mesh["dp"].get_local_rank(), args.dp)  # by TP group',
+        replace="rank, args.world_size)  # by TP group",
         claim="The ranks of a TP group read the same batches; dp groups read different ones.",
         readme="09_tensor_parallel/README.md#who-reads-what",
         tests=("tests/test_09_tensor_parallel.py::"
@@ -451,7 +451,7 @@ MUTANTS = [
     ),
     Mutant(
         id="09-mesh-groups-along-the-wrong-dim",
-        file="09_tensor_parallel/train.py",
+        file="09_tensor_parallel/mesh.py",
         find="for line in ranks.movedim(dim, -1).reshape(-1, ranks.size(dim)):",
         replace="for line in ranks.reshape(-1, ranks.size(dim)):",
         claim="Row d of the mesh is TP group d; column t, the ranks that hold the same slices, is "

@@ -63,8 +63,8 @@ def lesson08():
 
 @functools.cache
 def lesson09():
-    """Lesson 09's train.py as a module, imported as its tests import it: build_mesh (its
-    plumbing) and split_model (from its tensor_parallel.py)."""
+    """Lesson 09's train.py as a module, imported as its tests import it: build_mesh (from its
+    mesh.py) and split_model (from its tensor_parallel.py)."""
     lesson_folder_first(LESSON09)
     spec = importlib.util.spec_from_file_location("lesson09_train", LESSON09 / "train.py")
     module = importlib.util.module_from_spec(spec)
