@@ -30,6 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 import guard_rails
 from data import load_data
 from experts import describe_load, gather_experts
+from gradients import sum_gradients
 from mesh import build_mesh
 from model import TinyGPT, complete, loss_sum
 from sharding import latest_checkpoint, load_sharded, save_sharded
@@ -160,16 +161,6 @@ def whole_model(model, args, mesh):
     return whole
 
 
-def sum_gradients(params, group):
-    """Sum every rank's gradients, in place, in one all-reduce of all of them: one message, not
-    one per tensor (each a round trip); of params only, over group's ranks (None: all ranks)."""
-    grads = [param.grad for param in params]
-    flat = torch.cat([grad.flatten() for grad in grads])
-    dist.all_reduce(flat, group=group)
-    for grad, summed in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
-        grad.copy_(summed.view_as(grad))
-
-
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +173,6 @@ def main(rank, args):
     train_set, val_set = load_data(args.seq_len)
     train_loader = prepare_dataloader(train_set, args.batch_size // args.world_size, args.seed,
                                       rank, args.world_size)  # every rank its own sequences
-
     model = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, val_set, optimizer, device, args.save_every,

@@ -33,6 +33,7 @@ from data import load_data
 from model import TinyGPT, complete, loss_sum, validation_loss
 from parallelize import (
     build_mesh,
+    bytes_per_rank,
     clip_whole_model,
     keep_stage,
     pipeline_schedule,
@@ -128,15 +129,6 @@ def prepare_dataloader(dataset, batch_size, seed, rank, world_size):
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
 
 
-def loader_per_pipeline(train_set, mesh, args):
-    """The sampler deals sequences to the pipelines (by dp rank), not to the ranks: a pipeline's
-    pp and tp ranks each take their part of the same sequences, so they must read the same ones."""
-    dp_rank = mesh["dp"].get_local_rank()
-    train_loader = prepare_dataloader(train_set, args.batch_size // args.dp, args.seed, dp_rank,
-                                      args.dp)  # --batch-size: the global batch, in all groups
-    return train_loader
-
-
 def build_model(args, device, mesh):
     """The tiny GPT on this rank's device, its part of it (parallelize) and their schedule."""
     # Seed before building the model so the initial weights are the same on every run.
@@ -163,19 +155,6 @@ def parallelize(model, mesh, device, args):
     return pipeline_schedule(model, mesh, device, args.schedule, args.microbatches, loss_fn)
 
 
-def bytes_held(model, optimizer):
-    """What this rank holds, in bytes: its pieces of the weights, of their gradients (from the
-    last step) and of Adam's two running averages (of a sharded tensor, a DTensor, its shard)."""
-    def local_bytes(tensors):
-        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
-    return {"weights": local_bytes(model.parameters()),
-            "gradients": local_bytes(p.grad for p in model.parameters()),
-            "optimizer": local_bytes(state)}
-
-
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +165,9 @@ def main(rank, args):
         torch.set_default_dtype(torch.float64)
     mesh = build_mesh(device.type, args.dp, args.pp, args.tp, args.timeout)  # parallelize.py
     train_set, val_set = load_data(args.seq_len)
-    train_loader = loader_per_pipeline(train_set, mesh, args)
+    # --batch-size (the global batch) dealt by dp rank: a pipeline's ranks read the same sequences.
+    train_loader = prepare_dataloader(train_set, args.batch_size // args.dp, args.seed,
+                                      mesh["dp"].get_local_rank(), args.dp)
     model, schedule = build_model(args, device, mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, train_loader, val_set, optimizer, device, args.save_every,
@@ -199,9 +180,7 @@ def main(rank, args):
     train_start = time.perf_counter()
     losses = trainer.train(args.epochs)
     train_seconds = time.perf_counter() - train_start
-    every = [None] * args.world_size  # what each rank holds, for the table in metrics.json
-    dist.all_gather_object(every, bytes_held(model, optimizer))
-    weights = cpu_state_dict(model, mesh)  # a collective: every rank takes part
+    held, weights = bytes_per_rank(model, optimizer), cpu_state_dict(model, mesh)  # collectives
     if not trainer.is_main_process:
         return  # rank 0 holds every result now; it alone writes them
     save_atomically(weights, os.path.join(args.out_dir, "final.pt"))
@@ -210,7 +189,7 @@ def main(rank, args):
     samples = {p: complete(model, p, args.seq_len, device) for p in ("3+4=", "8+9=", "0+6=")}
     steps = (args.epochs - resumed_after_epoch) * len(train_loader)
     results = {"train_loss": losses, "val_loss": val_loss, "samples": samples,
-               "bytes_per_rank": every,
+               "bytes_per_rank": held,
                "tokens_per_second": steps * args.batch_size * args.seq_len / train_seconds,
                "train_seconds": train_seconds, "wall_seconds": time.time() - start,
                "resumed_after_epoch": resumed_after_epoch}

@@ -8,6 +8,7 @@ one device mesh. Read it in this order; each function is one step, and train.py 
     shard_data_parallel FSDP: what TP left, sharded once more over the dp ranks (lesson 07)
     pipeline_schedule   PP: the stage and its schedule, which runs the micro-batches (lesson 10)
     clip_whole_model    clipping by the whole model's gradient norm, not the stage's
+    bytes_per_rank      what each rank holds of it all: the layout's memory, measured
 
 The order of the middle three is not a choice: TP first, then FSDP (which shards the TP shards
 along dp), then the pipeline stage around the sharded model. fully_shard before
@@ -140,3 +141,23 @@ def clip_whole_model(parameters, max_norm, pp_group):
     norm = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
     return norm
+
+
+def bytes_held(model, optimizer):
+    """What this rank holds, in bytes: its pieces of the weights, of their gradients (from the
+    last step) and of Adam's two running averages (of a sharded tensor, a DTensor, its shard)."""
+    def local_bytes(tensors):
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    return {"weights": local_bytes(model.parameters()),
+            "gradients": local_bytes(p.grad for p in model.parameters()),
+            "optimizer": local_bytes(state)}
+
+
+def bytes_per_rank(model, optimizer):
+    """Every rank's bytes_held, in rank order, on every rank: a collective, all take part."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, bytes_held(model, optimizer))
+    return every

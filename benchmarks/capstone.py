@@ -10,7 +10,7 @@ own parallelize and Trainer.train_step (imported from its folder, not copied) an
 model: dim 32, 4 heads, 4 blocks, sequences of 64 characters, a global batch of 16 in 2
 micro-batches (GPipe), float32, Adam. Per rank, it measures:
 
-- memory: the bytes of its weights, gradients and Adam's two averages (train.py's bytes_held),
+- memory: the bytes of its weights, gradients and Adam's two averages (parallelize.py's bytes_held),
   and the activations: the bytes autograd saves for backward in one step's forward passes (every
   micro-batch's, which GPipe all holds before the first backward), each memory block once, counted
   by torch.autograd.graph.saved_tensors_hooks, in the blocks and in all; the weights, which
@@ -53,8 +53,8 @@ LESSON = Path(__file__).resolve().parent.parent / "13_capstone"
 sys.path.insert(0, str(LESSON))
 from guard_rails import find_free_port, start_ranks  # noqa: E402  (lesson 13's)
 from model import VOCAB, Block, TinyGPT  # noqa: E402  (lesson 13's, as train.py imports it)
-from parallelize import build_mesh  # noqa: E402
-from train import Trainer, bytes_held, load_data, parallelize  # noqa: E402  (not a copy)
+from parallelize import build_mesh, bytes_held  # noqa: E402
+from train import Trainer, load_data, parallelize  # noqa: E402  (not a copy)
 
 WORLD = 8
 BATCH, SEQ_LEN, DIM, HEADS, LAYERS = 16, 64, 32, 4, 4  # train.py's defaults

@@ -327,7 +327,7 @@ print(same, torch.equal(ours(x), theirs(x)))
 def test_each_stage_holds_what_lesson_13s_real_run_held(lesson_run, tmp_path):
     # The planner on lesson 13's layout (2 x 2 x 2, float32, GPipe, 2 micro-batches) against
     # lesson 13's own 8-rank run: each stage's first rank, its weights, gradients and Adam's
-    # averages as train.py's bytes_held counts them (the batch size changes none of them).
+    # averages as lesson 13's bytes_held counts them (the batch size changes none of them).
     result, out_dir = lesson_run("13_capstone", "--epochs", "1", "--batch-size", "64",
                                  "--backend", "gloo")
     assert result.returncode == 0, result.stderr

@@ -587,7 +587,7 @@ MUTANTS = [
     ),
     Mutant(
         id="11-gradients-not-summed",
-        file="11_context_parallel/train.py",
+        file="11_context_parallel/gradients.py",
         find="    dist.all_reduce(flat, group=group)",
         replace="    pass",
         claim="Every layout takes one process's steps: each rank's share of the gradient summed.",
