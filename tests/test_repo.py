@@ -494,3 +494,20 @@ def test_a_lessons_share_of_ci_names_what_each_step_runs_for_it():
         "--jobs 1 10_pipeline_parallel/README.md exercises/10_pipeline_by_hand.md")
     assert len(lines["mutation check: its mistakes"].split(" 10-")) == 10  # the tool, then 9
     assert lines["exercises: its tests"].endswith("-m exercises tests/test_exercises.py -k 10")
+
+
+def test_a_step_that_selects_no_test_is_none_not_a_failure(monkeypatch, capsys):
+    # Lesson 14's exercise is checked in its own test file, so `-m exercises -k 14` selects
+    # nothing: pytest's exit status 5, which the share reports as none, not as a failure.
+    spec = importlib.util.spec_from_file_location("lesson_share",
+                                                  ROOT / "tools" / "lesson_share.py")
+    share = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(share)
+    nothing = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+               "tests/test_ci_slots.py", "-k", "no_test_is_named_this"]
+    monkeypatch.setattr(share, "commands", lambda number: [("exercises: its tests", nothing)])
+    assert share.main(["14"]) == 0
+    assert "exercises: its tests" in capsys.readouterr().out.split("none selected")[0]
+    failing = [sys.executable, "-c", "raise SystemExit(5)"]  # a 5 that is not pytest's
+    monkeypatch.setattr(share, "commands", lambda number: [("its tests", failing)])
+    assert share.main(["14"]) == 1
