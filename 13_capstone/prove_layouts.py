@@ -15,6 +15,8 @@ freed after. Then three controls, each one line of the lesson undone, must end f
     no FSDP over dp                           each dp rank steps with its own sequences' gradients
     each stage clipped by its own norm        clip_grad_norm_, as on one process
 
+A round in which anything goes wrong is the last one run, and the proof then exits 1.
+
     python 13_capstone/prove_layouts.py
 """
 
@@ -158,6 +160,7 @@ def each_rank(rank, port, seq_len):
     found = []  # (layout, caught by a control?, parameter names this rank compared, difference)
     fsdp = []  # on the layouts with dp 2: (layout, rank, forwards, forwards FSDP got right)
     for layouts in ROUNDS:
+        before = len(found), len(fsdp)
         for name, (dp, pp, tp), first, kind in layouts:
             # Every rank makes every mesh, in the same order: new_group, which build_mesh calls
             # for each group, is a collective of the whole world (a rank outside gets None).
@@ -169,12 +172,28 @@ def each_rank(rank, port, seq_len):
                 if dp > 1 and kind is None:
                     right = [c for c in calls if c[1:] == [[c[0]], []]]
                     fsdp.append((name, rank, len(calls), len(right)))
+        # The first round in which any rank saw a layout go wrong is the last: what it found is
+        # the proof's answer, and the rounds after it would only take time.
+        wrong = torch.tensor(float(any(not passed(*row[1:]) for row in found[before[0]:])
+                                   or any(good != calls or not calls
+                                          for *_, calls, good in fsdp[before[1]:])))
+        dist.all_reduce(wrong, op=dist.ReduceOp.MAX)
+        if wrong:
+            break
     every = [None] * WORLD
     dist.all_gather_object(every, (found, fsdp))
+    proven = True
     if rank == 0:
-        report([f for f, _ in every], sorted(reference))
-        report_fsdp([f for _, f in every])
+        proven = report([f for f, _ in every], sorted(reference))
+        proven &= report_fsdp([f for _, f in every])
     dist.destroy_process_group()
+    if not proven:
+        sys.exit(1)  # rank 0's lines above say what differed; the launcher exits 1 too
+
+
+def passed(control, compared, worst):
+    """A layout ends within TOLERANCE of one process; a control, farther than CAUGHT."""
+    return worst > CAUGHT if control else worst < TOLERANCE
 
 
 def report(every, names):
@@ -190,18 +209,24 @@ def report(every, names):
     print(f"one process: {STEPS} Adam steps of {BATCH} sequences, float64, clipped to norm "
           f"{MAX_NORM:g}; largest difference from it of every weight:")
     equal = caught = True
-    for name, (control, compared, worst) in layouts.items():
+    for name, (control, compared, worst) in [(n, seen) for n, seen in layouts.items() if seen]:
         if sorted(compared) != names:
             print(f"{name}: compared {len(compared)} of the model's {len(names)} weights")
             equal = False
         if control:
-            caught &= worst > CAUGHT
+            caught &= passed(control, compared, worst)
             print(f"  control, {name:40s} {worst:.1e}  {'caught' if worst > CAUGHT else 'MISSED'}")
         else:
-            equal &= worst < TOLERANCE
+            equal &= passed(control, compared, worst)
             print(f"  dp x pp x tp = {name:34s} {worst:.1e}")
+    skipped = [name for name, seen in layouts.items() if seen is None]
+    if skipped:  # the rounds after the one that went wrong
+        print(f"  not run: the {len(skipped)} layouts and controls after the first round in "
+              "which one went wrong")
+        equal = caught = False
     print(f"every layout equal within {TOLERANCE:g}: {equal}")
     print(f"every control farther than {CAUGHT:g}: {caught}", flush=True)
+    return equal and caught
 
 
 def report_fsdp(every):
@@ -214,6 +239,7 @@ def report_fsdp(every):
     layouts = sorted({name for name, *_ in rows})
     print(f"FSDP gathered each block alone for each forward and freed it after, on all "
           f"{len(layouts)} layouts with dp 2: {right}", flush=True)
+    return right
 
 
 def main():

@@ -94,6 +94,27 @@ def test_every_layout_takes_one_processs_steps_and_each_mistake_does_not():
             "layouts with dp 2: True") in done.stdout, done.stdout
 
 
+def test_the_proof_fails_on_a_round_that_went_wrong_and_on_the_rounds_it_then_skipped(capsys):
+    # The proof's verdict, in this process: what its ranks gathered, made by hand. A run whose
+    # first round had a layout off stops there, and rank 0 exits 1 on report's False.
+    import_lesson(LESSON)
+    proof = importlib.import_module("prove_layouts")
+    names = ["w"]
+    right = [("2 x 2 x 2", False, names, 1e-14)]
+    off = [("2 x 2 x 2", False, names, 1e-3)]
+    every_row = [(name, kind is not None, names, 1e-14 if kind is None else 1e-2)
+                 for layouts in proof.ROUNDS for name, _, _, kind in layouts]
+    assert proof.report([every_row], names)  # every layout equal, every control caught
+    assert not proof.report([right], names)  # the rounds after the first were not run
+    assert "not run: the 11 layouts and controls after the first round" in capsys.readouterr().out
+    assert not proof.report([off], names)
+    assert "every layout equal within 1e-12: False" in capsys.readouterr().out
+    missed = [row if not row[1] else (*row[:3], 1e-9) for row in every_row]
+    assert not proof.report([missed], names)  # a control too close to one process
+    assert not proof.report_fsdp([[("2 x 2 x 2", 0, 4, 3)]])  # one forward not gathered alone
+    assert not proof.report_fsdp([[]])  # no layout with dp 2 ran
+
+
 # ---------------------------------------------------------------------------------------------
 # The mesh, the stages and the default --dp, in this process: no ranks started
 # ---------------------------------------------------------------------------------------------
