@@ -174,8 +174,9 @@ def each_rank(rank, port, seq_len):
                     fsdp.append((name, rank, len(calls), len(right)))
         # The first round in which any rank saw a layout go wrong is the last: what it found is
         # the proof's answer, and the rounds after it would only take time.
-        wrong = torch.tensor(float(any(not passed(*row[1:]) for row in found[before[0]:])
-                                   or any(good != calls or not calls
+        wrong = torch.tensor(float(any(not passed(control, worst)
+                                       for _, control, _, worst in found[before[0]:])
+                                   or any(not gathered_alone(calls, good)
                                           for *_, calls, good in fsdp[before[1]:])))
         dist.all_reduce(wrong, op=dist.ReduceOp.MAX)
         if wrong:
@@ -191,9 +192,14 @@ def each_rank(rank, port, seq_len):
         sys.exit(1)  # rank 0's lines above say what differed; the launcher exits 1 too
 
 
-def passed(control, compared, worst):
+def passed(control, worst):
     """A layout ends within TOLERANCE of one process; a control, farther than CAUGHT."""
     return worst > CAUGHT if control else worst < TOLERANCE
+
+
+def gathered_alone(calls, good):
+    """FSDP ran forwards, and in each of them gathered its block alone and freed it after."""
+    return calls > 0 and good == calls
 
 
 def report(every, names):
@@ -214,10 +220,11 @@ def report(every, names):
             print(f"{name}: compared {len(compared)} of the model's {len(names)} weights")
             equal = False
         if control:
-            caught &= passed(control, compared, worst)
-            print(f"  control, {name:40s} {worst:.1e}  {'caught' if worst > CAUGHT else 'MISSED'}")
+            caught &= passed(control, worst)
+            print(f"  control, {name:40s} {worst:.1e}  "
+                  f"{'caught' if passed(control, worst) else 'MISSED'}")
         else:
-            equal &= passed(control, compared, worst)
+            equal &= passed(control, worst)
             print(f"  dp x pp x tp = {name:34s} {worst:.1e}")
     skipped = [name for name, seen in layouts.items() if seen is None]
     if skipped:  # the rounds after the one that went wrong
@@ -232,7 +239,7 @@ def report(every, names):
 def report_fsdp(every):
     """Rank 0: whether FSDP gathered each block alone for each of its forwards, and freed it."""
     rows = sorted(row for found in every for row in found)
-    right = bool(rows) and all(calls > 0 and good == calls for _, _, calls, good in rows)
+    right = bool(rows) and all(gathered_alone(calls, good) for _, _, calls, good in rows)
     for name, rank, calls, good in [row for row in rows if row[3] != row[2]][:1]:
         print(f"  FSDP at {name}, rank {rank}: in {calls - good} of {calls} forwards another "
               "block was gathered, or this one was not, or was not freed after")
